@@ -1,0 +1,30 @@
+# The two commands a newcomer types: `make test` (sets everything up, then runs the tests)
+# and, once it exists, `make demo`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: setup test test-slow bench-core clean
+
+# Re-created whenever pyproject.toml changes, so a fresh clone needs no manual install step.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow
+
+bench-core: $(VENV)/.installed
+	$(PY) benchmarks/core.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

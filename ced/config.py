@@ -1,0 +1,269 @@
+"""Model configuration, its validation, and the layer schedule derived from it.
+
+Everything structural about a variant (which layers have a window, which read which global KV,
+in which mode, with which compression) is computed here, by `build_plan`, and nowhere else.
+See ../shared/design/ced-spec.md sections 1 and 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+VARIANTS = ("dense", "swa", "yoco", "ced")
+GlobalMode = Literal["full", "reindex", "reuse"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one model. Keys equal those of `conf/model/*.yaml`.
+
+    Variants (one code path, spec section 1):
+      dense: `n_encoder_layers + n_decoder_layers` layers of full causal attention (`window` unused).
+      swa:   the same depth, sliding-window attention only.
+      yoco:  SWA encoder; decoder layers read only ONE global KV projected from the normalised
+             encoder output (no decoder windows, ratio 1).
+      ced:   encoder layers >= `global_from_layer` add global reads over `encoder_kv_groups`
+             shared KVs; every decoder layer has its own window plus a read of ONE decoder global
+             KV projected from the normalised encoder output.
+    Fields that a variant does not use (e.g. `encoder_kv_groups` for `yoco`) are ignored.
+    """
+
+    variant: str = "ced"
+    vocab_size: int = 259
+    d_model: int = 128
+    n_heads: int = 4
+    n_encoder_layers: int = 4
+    n_decoder_layers: int = 4
+    window: int = 32
+    topk: int | None = None
+    global_from_layer: int = 2
+    encoder_kv_groups: int = 3
+    encoder_compress_ratio: int = 2
+    decoder_compress_ratio: int = 1
+    decoder_reindex_every: int | None = None
+    indexer_heads: int = 4
+    indexer_dim: int = 32
+    attention_sink: bool = True
+    d_ff: int | None = None
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    # Queries are processed in blocks of this many positions; a speed/memory knob only.
+    attention_block: int = 128
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_encoder_layers + self.n_decoder_layers
+
+    @property
+    def has_decoder(self) -> bool:
+        """True for the split variants (yoco, ced), whose decoder can be early-exited."""
+        return self.variant in ("yoco", "ced")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        """Build from a plain mapping (e.g. a Hydra node); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"ModelConfig: unknown key(s) {unknown}; allowed keys: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fail(field_name: str, message: str, value: Any) -> None:
+    raise ValueError(f"ModelConfig.{field_name}: {message}; got {value!r}")
+
+
+def _validate(c: ModelConfig) -> None:
+    if c.variant not in VARIANTS:
+        _fail("variant", f"must be one of {VARIANTS}", c.variant)
+    for name in ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "max_seq_len",
+                 "indexer_heads", "indexer_dim", "attention_block"):
+        value = getattr(c, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(name, "must be an integer >= 1", value)
+    if c.d_model % c.n_heads:
+        _fail("n_heads", f"must divide d_model ({c.d_model})", c.n_heads)
+    if c.head_dim % 2:
+        _fail("n_heads", f"d_model / n_heads must be even for rotary embeddings "
+              f"(d_model={c.d_model})", c.n_heads)
+    min_decoder = 1 if c.has_decoder else 0
+    if not isinstance(c.n_decoder_layers, int) or c.n_decoder_layers < min_decoder:
+        _fail("n_decoder_layers", f"must be an integer >= {min_decoder} for variant "
+              f"{c.variant!r}", c.n_decoder_layers)
+    if c.variant != "dense" and (not isinstance(c.window, int) or c.window < 1):
+        _fail("window", "must be an integer >= 1 (a query sees itself and window-1 earlier "
+              "positions)", c.window)
+    if c.topk is not None and (not isinstance(c.topk, int) or isinstance(c.topk, bool)
+                               or c.topk < 1):
+        _fail("topk", "must be None (read every visible global entry) or an integer >= 1", c.topk)
+    for name in ("encoder_compress_ratio", "decoder_compress_ratio"):
+        if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+            _fail(name, "must be an integer >= 1", getattr(c, name))
+    if c.decoder_reindex_every is not None and (
+            not isinstance(c.decoder_reindex_every, int) or c.decoder_reindex_every < 1):
+        _fail("decoder_reindex_every", "must be None (no Reindex layers) or an integer >= 1",
+              c.decoder_reindex_every)
+    if c.d_ff is not None and (not isinstance(c.d_ff, int) or c.d_ff < 1):
+        _fail("d_ff", "must be None (4 * d_model) or an integer >= 1", c.d_ff)
+    if not 0.0 <= c.dropout < 1.0:
+        _fail("dropout", "must lie in [0, 1)", c.dropout)
+    if not c.rope_theta > 0:
+        _fail("rope_theta", "must be > 0", c.rope_theta)
+
+    if c.variant == "yoco" and c.decoder_compress_ratio != 1:
+        _fail("decoder_compress_ratio", "must be 1 for variant 'yoco' (YOCO's cross-decoder "
+              "reads an uncompressed KV)", c.decoder_compress_ratio)
+    if c.variant == "ced":
+        if not isinstance(c.global_from_layer, int) or not (
+                0 <= c.global_from_layer <= c.n_encoder_layers):
+            _fail("global_from_layer", f"must lie in [0, n_encoder_layers={c.n_encoder_layers}]",
+                  c.global_from_layer)
+        global_layers = c.n_encoder_layers - c.global_from_layer
+        if not isinstance(c.encoder_kv_groups, int) or c.encoder_kv_groups < 0:
+            _fail("encoder_kv_groups", "must be an integer >= 0", c.encoder_kv_groups)
+        if global_layers > 0 and not 1 <= c.encoder_kv_groups <= global_layers:
+            _fail("encoder_kv_groups", f"must lie in [1, {global_layers}] so that every group "
+                  f"holds at least one of the encoder layers {c.global_from_layer}.."
+                  f"{c.n_encoder_layers - 1}", c.encoder_kv_groups)
+        if global_layers == 0 and c.encoder_kv_groups != 0:
+            _fail("encoder_kv_groups", "must be 0 when global_from_layer == n_encoder_layers "
+                  "(no encoder layer reads a global KV)", c.encoder_kv_groups)
+        if global_layers > 0 and c.window < c.encoder_compress_ratio:
+            _fail("window", f"must be >= encoder_compress_ratio ({c.encoder_compress_ratio}): "
+                  "the window covers the incomplete compression block", c.window)
+        if c.window < c.decoder_compress_ratio:
+            _fail("window", f"must be >= decoder_compress_ratio ({c.decoder_compress_ratio}): "
+                  "the window covers the incomplete compression block", c.window)
+
+
+# ---- the layer schedule ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One global KV. `from_layer` is the layer whose normalised attention input feeds it
+    (an encoder group leader), or None for the decoder source fed by RMSNorm(H_{L_e})."""
+
+    index: int
+    compress_ratio: int
+    from_layer: int | None
+    part: Literal["encoder", "decoder"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    part: Literal["encoder", "decoder"]
+    window: int | None            # None: no window keys (yoco decoder) -- see `full_causal`
+    full_causal: bool             # dense variant: the window is the whole causal prefix
+    global_source: int | None     # which SourceSpec it reads
+    global_mode: GlobalMode | None
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layers: tuple[LayerSpec, ...]
+    sources: tuple[SourceSpec, ...]
+
+    def part(self, name: str) -> tuple[LayerSpec, ...]:
+        return tuple(spec for spec in self.layers if spec.part == name)
+
+    @property
+    def decoder_source(self) -> SourceSpec | None:
+        return next((s for s in self.sources if s.part == "decoder"), None)
+
+
+def group_sizes(n_items: int, n_groups: int) -> list[int]:
+    """Contiguous group sizes differing by at most one, earlier groups larger."""
+    base, extra = divmod(n_items, n_groups)
+    return [base + (1 if g < extra else 0) for g in range(n_groups)]
+
+
+def build_plan(c: ModelConfig) -> LayerPlan:
+    """The per-layer schedule of windows, global sources and Full/Reindex/Reuse modes."""
+    layers: list[LayerSpec] = []
+    sources: list[SourceSpec] = []
+    if c.variant in ("dense", "swa"):
+        for i in range(c.n_layers):
+            layers.append(LayerSpec(i, "encoder", None if c.variant == "dense" else c.window,
+                                    c.variant == "dense", None, None))
+        return LayerPlan(tuple(layers), ())
+
+    # Encoder: SWA everywhere; for ced, global groups from `global_from_layer` on.
+    leader_of: dict[int, int] = {}
+    if c.variant == "ced" and c.n_encoder_layers > c.global_from_layer:
+        start = c.global_from_layer
+        for size in group_sizes(c.n_encoder_layers - c.global_from_layer, c.encoder_kv_groups):
+            src = len(sources)
+            sources.append(SourceSpec(src, c.encoder_compress_ratio, start, "encoder"))
+            for i in range(start, start + size):
+                leader_of[i] = src
+            start += size
+    for i in range(c.n_encoder_layers):
+        src = leader_of.get(i)
+        mode = None if src is None else ("full" if sources[src].from_layer == i else "reuse")
+        layers.append(LayerSpec(i, "encoder", c.window, False, src, mode))
+
+    # Decoder: one shared source from the normalised encoder output.
+    dec_src = len(sources)
+    sources.append(SourceSpec(dec_src, c.decoder_compress_ratio, None, "decoder"))
+    for j in range(c.n_decoder_layers):
+        if j == 0:
+            mode: GlobalMode = "full"
+        elif c.decoder_reindex_every and j % c.decoder_reindex_every == 0:
+            mode = "reindex"
+        else:
+            mode = "reuse"
+        window = c.window if c.variant == "ced" else None
+        layers.append(LayerSpec(c.n_encoder_layers + j, "decoder", window, False, dec_src, mode))
+    return LayerPlan(tuple(layers), tuple(sources))
+
+
+def exact_replay_length(c: ModelConfig) -> int:
+    """Smallest decoder replay N for which early-exit prefill is exact (spec 4.1).
+
+    ced: n_decoder_layers * (window - 1) + 1; yoco: 1 (no decoder windows, any N >= 1 is exact).
+    """
+    if c.variant == "ced":
+        return c.n_decoder_layers * (c.window - 1) + 1
+    if c.variant == "yoco":
+        return 1
+    raise ValueError(f"exact_replay_length: variant {c.variant!r} has no decoder to replay; "
+                     "only 'yoco' and 'ced' do")
+
+
+def paper_replay_length(c: ModelConfig) -> int:
+    """The paper's rounded figure n_decoder_layers * window (2560 at V4.1 scale)."""
+    if not c.has_decoder:
+        raise ValueError(f"paper_replay_length: variant {c.variant!r} has no decoder")
+    return c.n_decoder_layers * c.window
+
+
+def exact_encoder_replay_length(c: ModelConfig) -> int:
+    """Smallest encoder replay N_e that makes a prefix-cache hit exact (spec 4.2)."""
+    if not c.has_decoder:
+        raise ValueError(f"exact_encoder_replay_length: variant {c.variant!r} has no prefix-"
+                         "cache replay; only 'yoco' and 'ced' do")
+    return c.n_encoder_layers * (c.window - 1) + 1
+
+
+__all__ = ["ModelConfig", "LayerPlan", "LayerSpec", "SourceSpec", "build_plan", "group_sizes",
+           "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length"]

@@ -1,0 +1,5 @@
+"""Incremental inference over the CED model family."""
+
+from .engine import POLICIES, Cache, InferenceEngine, PrefillOutput
+
+__all__ = ["Cache", "InferenceEngine", "PrefillOutput", "POLICIES"]

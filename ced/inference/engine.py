@@ -1,0 +1,321 @@
+"""Incremental inference: prefill (full, or early exit with bounded/exact replay), decode,
+greedy generation, and multi-turn extension with the prefix-cache policies of spec 4.3.
+
+The engine holds no model math: it orders calls to `CEDModel.run_layers` over its cache.
+Inside the engine a replay start acts by absence: positions the decoder never computed are not
+in its window caches, so no query can see them. The parallel forward expresses the same thing
+with `decoder_replay_start`; tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..config import exact_encoder_replay_length, exact_replay_length
+from ..model import CEDModel, ForwardContext, ModelState, WindowKV
+
+Replay = None | int | Literal["exact"]
+POLICIES = ("keep_decoder_swa", "suffix_only", "cached_hidden", "encoder_replay")
+
+
+@dataclass
+class Cache:
+    """What the engine keeps for a batch of sequences of equal length.
+
+    state: window KV per layer and global KV per source (see `ModelState`);
+    tokens: LongTensor[B, length], every token consumed so far (an encoder replay needs them);
+    encoder_hidden: H_{L_e} [B, n, D] of the last n positions, kept for the `cached_hidden`
+    policy; decoder_layers: indices of the decoder layers (their windows are the decoder's);
+    encoder_windows_evicted / decoder_windows_evicted: set by `as_prefix_cache`.
+    """
+
+    state: ModelState
+    tokens: Tensor
+    encoder_hidden: Tensor | None
+    decoder_layers: frozenset[int]
+    encoder_windows_evicted: bool = False
+    decoder_windows_evicted: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    def as_prefix_cache(self, keep_decoder_windows: bool = False) -> "Cache":
+        """A copy as V4.1's prefix cache keeps it (spec 4.2): global KV only. Window KV is
+        evicted (the decoder's kept if asked, for the `keep_decoder_swa` policy), and so is the
+        pending state of an incomplete compression block; the H_{L_e} tail stays, for the
+        `cached_hidden` policy (`nbytes` reports its memory)."""
+        windows = [None if w is None else replace(w)
+                   if keep_decoder_windows and i in self.decoder_layers else _empty_window(w)
+                   for i, w in enumerate(self.state.windows)]
+        sources = [replace(s, pending_tokens=s.pending_tokens[:, :0],
+                           pending_gates=s.pending_gates[:, :0]) for s in self.state.sources]
+        return Cache(ModelState(windows, sources), self.tokens, self.encoder_hidden,
+                     self.decoder_layers, encoder_windows_evicted=True,
+                     decoder_windows_evicted=not keep_decoder_windows)
+
+    def clear_decoder_windows(self) -> None:
+        """Forget decoder window KV: the next decoder positions start a replay segment."""
+        for i in self.decoder_layers:
+            if self.state.windows[i] is not None:
+                self.state.windows[i] = _empty_window(self.state.windows[i])
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by kind: window KV, global KV entries, indexer keys, pending block
+        tokens, the H_{L_e} tail, and their total."""
+        def size(t: Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+        counts = {
+            "window_kv": sum(size(w.k) + size(w.v) for w in self.state.windows if w is not None),
+            "global_kv": sum(size(s.k) + size(s.v) for s in self.state.sources),
+            "indexer_keys": sum(size(s.index_keys) for s in self.state.sources),
+            "pending_blocks": sum(size(s.pending_tokens) + size(s.pending_gates)
+                                  for s in self.state.sources),
+            "encoder_hidden": size(self.encoder_hidden),
+        }
+        counts["total"] = sum(counts.values())
+        return counts
+
+
+def _empty_window(window: WindowKV) -> WindowKV:
+    return WindowKV(window.k[:, :, :0], window.v[:, :, :0], window.positions[:0])
+
+
+@dataclass
+class PrefillOutput:
+    logits: Tensor          # [B, V] at the last prompt position
+    cache: Cache
+    replay: int             # decoder positions run (T when there is no early exit)
+
+
+class InferenceEngine:
+    """Drives a `CEDModel` incrementally; every method runs without gradients and mutates the
+    cache it is given (use `Cache.as_prefix_cache` for a copy).
+
+    hidden_tail: how many trailing positions of H_{L_e} the cache keeps for the
+    `cached_hidden` policy (default: the exact replay length, capped at max_seq_len).
+    """
+
+    def __init__(self, model: CEDModel, hidden_tail: int | None = None):
+        self.model = model
+        self.cfg = model.cfg
+        if hidden_tail is None:
+            hidden_tail = (min(exact_replay_length(self.cfg), self.cfg.max_seq_len)
+                           if self.cfg.has_decoder else 0)
+        if hidden_tail < 0:
+            raise ValueError(f"hidden_tail: must be >= 0; got {hidden_tail}")
+        self.hidden_tail = hidden_tail
+        self.decoder_layers = frozenset(s.index for s in model.plan.part("decoder"))
+
+    # ---- argument checks -----------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        if self.model.training and self.cfg.dropout > 0:
+            raise ValueError("InferenceEngine: the model is in training mode with dropout > 0; "
+                             "call model.eval() first")
+
+    def _check_ids(self, ids: Tensor, name: str, length_before: int = 0) -> None:
+        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
+            shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+            raise ValueError(f"{name}: expected a LongTensor [B, T] with T >= 1; got {shape}")
+        if length_before + ids.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"{name}: the sequence would reach {length_before + ids.shape[1]} "
+                             f"tokens, over ModelConfig.max_seq_len={self.cfg.max_seq_len}")
+
+    def resolve_replay(self, replay: Replay, available: int, name: str = "replay") -> int:
+        """Decoder positions to replay out of `available`: None -> all of them; 'exact' ->
+        R_exact; an int N >= 1 -> N; always clipped to `available`."""
+        if replay is None:
+            return available
+        if not self.cfg.has_decoder:
+            raise ValueError(f"{name}: variant {self.cfg.variant!r} has no decoder to replay; "
+                             "use replay=None (every token through every layer)")
+        if replay == "exact":
+            return min(exact_replay_length(self.cfg), available)
+        if isinstance(replay, bool) or not isinstance(replay, int):
+            raise ValueError(f"{name}: expected None, 'exact' or an int >= 1; got {replay!r}")
+        if replay < 1:
+            raise ValueError(f"{name}: must be >= 1 (the last prompt token always runs the "
+                             f"decoder); got {replay}")
+        return min(replay, available)
+
+    def _resolve_encoder_replay(self, encoder_replay: Replay, available: int) -> int:
+        if encoder_replay is None:
+            raise ValueError("encoder_replay: the cache's encoder windows were evicted "
+                             "(a prefix cache); pass an int N_e >= 1 or 'exact'")
+        if encoder_replay == "exact":
+            return min(exact_encoder_replay_length(self.cfg), available)
+        if isinstance(encoder_replay, bool) or not isinstance(encoder_replay, int) \
+                or encoder_replay < 1:
+            raise ValueError(f"encoder_replay: expected 'exact' or an int >= 1; got "
+                             f"{encoder_replay!r}")
+        return min(encoder_replay, available)
+
+    # ---- the one step every public method is made of -------------------------------------
+
+    @torch.no_grad()
+    def _advance(self, cache: Cache, new_ids: Tensor, encoder_from: int, decoder_from: int,
+                 hidden_before: Tensor | None = None) -> Tensor:
+        """Append new_ids [B, m] to the sequence: the encoder runs positions
+        [encoder_from, L + m) (cached tokens before L are an encoder replay), the decoder runs
+        [decoder_from, L + m); hidden_before holds H_{L_e} for decoder positions before
+        encoder_from. Returns logits [B, V] at the last position."""
+        model = self.model
+        tokens = torch.cat((cache.tokens, new_ids.to(cache.tokens.device)), dim=1)
+        end = tokens.shape[1]
+        ctx = ForwardContext(keep_windows=True)
+        positions = torch.arange(encoder_from, end, device=tokens.device)
+        h = model.run_layers("encoder", model.embed(tokens[:, encoder_from:]), positions,
+                             cache.state, ctx)
+        if self.cfg.has_decoder:
+            model.feed_decoder_source(h, positions, cache.state)
+            self._keep_hidden(cache, h, encoder_from)
+            decoder_in = h[:, max(decoder_from - encoder_from, 0):]
+            if hidden_before is not None:
+                decoder_in = torch.cat((hidden_before, decoder_in), dim=1)
+            h = model.run_layers("decoder", decoder_in,
+                                 torch.arange(decoder_from, end, device=tokens.device),
+                                 cache.state, ctx)
+        cache.tokens = tokens
+        return model.logits(h[:, -1])
+
+    def _keep_hidden(self, cache: Cache, encoder_out: Tensor, first: int) -> None:
+        """Keep H_{L_e} of the trailing `hidden_tail` positions; encoder_out covers positions
+        from `first`. Stored positions before `first` stay (they come from a full encoder)."""
+        if not self.hidden_tail:
+            return
+        old = cache.encoder_hidden
+        if old is not None:
+            old_first = cache.length - old.shape[1]
+            encoder_out = torch.cat((old[:, :max(0, first - old_first)], encoder_out), dim=1)
+        cache.encoder_hidden = encoder_out[:, -self.hidden_tail:]
+
+    # ---- public API --------------------------------------------------------------------------
+
+    def new_cache(self, batch: int) -> Cache:
+        tokens = torch.zeros(batch, 0, dtype=torch.long, device=self.model.embed.weight.device)
+        return Cache(self.model.empty_state(batch, keep_windows=True), tokens, None,
+                     self.decoder_layers)
+
+    def prefill(self, input_ids: Tensor, replay: Replay = None) -> PrefillOutput:
+        """Prefill a batch of prompts [B, T].
+
+        replay=None: every token through every layer (the oracle); an int N: early exit, the
+        encoder runs all T tokens and the decoder only the last N (windows truncated at T - N);
+        'exact': N = R_exact. Returns logits [B, V] at position T - 1 and the cache.
+        """
+        self._check_ready()
+        self._check_ids(input_ids, "input_ids")
+        n_prompt = input_ids.shape[1]
+        n_replay = self.resolve_replay(replay, n_prompt)
+        cache = self.new_cache(input_ids.shape[0])
+        logits = self._advance(cache, input_ids, 0, n_prompt - n_replay)
+        return PrefillOutput(logits, cache, n_replay)
+
+    def decode(self, next_ids: Tensor, cache: Cache) -> Tensor:
+        """One token per row, next_ids LongTensor[B], through every layer; returns [B, V]."""
+        self._check_ready()
+        if cache.length == 0:
+            raise ValueError("decode: the cache is empty; call prefill first")
+        if cache.encoder_windows_evicted:
+            raise ValueError("decode: this is a prefix cache with evicted windows; use extend "
+                             "with a policy")
+        if next_ids.dim() != 1 or next_ids.shape[0] != cache.tokens.shape[0]:
+            raise ValueError(f"next_ids: expected LongTensor[B] with B={cache.tokens.shape[0]}; "
+                             f"got shape {tuple(next_ids.shape)}")
+        self._check_ids(next_ids[:, None], "next_ids", cache.length)
+        return self._advance(cache, next_ids[:, None], cache.length, cache.length)
+
+    def generate(self, input_ids: Tensor, max_new_tokens: int, replay: Replay = None,
+                 eos_id: int | None = None) -> Tensor:
+        """Greedy generation: prefill (with `replay`), then decode. Returns LongTensor
+        [B, max_new_tokens]; after a row emits eos_id it keeps emitting eos_id."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1; got {max_new_tokens}")
+        self._check_ids(input_ids, "input_ids", max_new_tokens - 1)
+        out = self.prefill(input_ids, replay)
+        logits, cache, generated = out.logits, out.cache, []
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            token = logits.argmax(-1)
+            if eos_id is not None:
+                token = torch.where(done, torch.full_like(token, eos_id), token)
+                done |= token == eos_id
+            generated.append(token)
+            if step + 1 < max_new_tokens:
+                logits = self.decode(token, cache)
+        return torch.stack(generated, dim=1)
+
+    def extend(self, suffix_ids: Tensor, cache: Cache, policy: str = "keep_decoder_swa",
+               replay: Replay = None, encoder_replay: Replay = None) -> Tensor:
+        """Append a new turn suffix_ids [B, m] to a conversation; returns logits [B, V].
+
+        replay (N): the decoder runs the last N positions of the whole sequence, truncated at
+        their start; None -> every new token with no truncation. When m < N the other N - m
+        positions lie in the cached prefix and `policy` says where their H_{L_e} comes from
+        (spec 4.3):
+          keep_decoder_swa: the previous turn's decoder window KV is still there (a live cache,
+            or as_prefix_cache(keep_decoder_windows=True)); the decoder runs only new tokens.
+          suffix_only: the decoder replays only the m new tokens, truncated at the prefix end.
+          cached_hidden: H_{L_e} of prefix positions comes from the cache's stored tail.
+          encoder_replay: H_{L_e} of prefix positions comes from the encoder replay below.
+        encoder_replay (N_e): when the cache's encoder windows were evicted (a prefix cache),
+        the last N_e prefix tokens rerun the encoder with windows truncated at P - N_e, reusing
+        the cached global KV (spec 4.2); 'exact' = n_encoder_layers * (window - 1) + 1.
+        """
+        self._check_ready()
+        if policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {POLICIES}; got {policy!r}")
+        if cache.length == 0:
+            raise ValueError("extend: the cache is empty; call prefill first")
+        self._check_ids(suffix_ids, "suffix_ids", cache.length)
+        prefix, n_new = cache.length, suffix_ids.shape[1]
+        end = prefix + n_new
+
+        encoder_from = prefix
+        if cache.encoder_windows_evicted:
+            encoder_from = prefix - self._resolve_encoder_replay(encoder_replay, prefix)
+        elif encoder_replay is not None:
+            raise ValueError("encoder_replay: the encoder windows of this cache are intact; "
+                             "encoder replay applies to a prefix cache (Cache.as_prefix_cache)")
+        if not self.cfg.has_decoder:
+            if replay is not None:
+                self.resolve_replay(replay, end)   # raises: no decoder
+            return self._advance(cache, suffix_ids, encoder_from, encoder_from)
+
+        n_replay = self.resolve_replay(replay, end) if replay is not None else n_new
+        replay_start = end - n_replay
+        hidden_before = None
+        if policy == "keep_decoder_swa":
+            if cache.decoder_windows_evicted:
+                raise ValueError("policy 'keep_decoder_swa': this prefix cache dropped the "
+                                 "decoder windows; build it with keep_decoder_windows=True")
+            decoder_from = max(prefix, replay_start)
+        elif policy == "suffix_only":
+            decoder_from = max(prefix, replay_start)
+        elif policy == "encoder_replay":
+            if not cache.encoder_windows_evicted:
+                raise ValueError("policy 'encoder_replay': needs a prefix cache with evicted "
+                                 "encoder windows (Cache.as_prefix_cache) and encoder_replay")
+            decoder_from = max(encoder_from, replay_start)
+        else:  # cached_hidden
+            decoder_from = replay_start
+            if decoder_from < encoder_from:
+                stored = 0 if cache.encoder_hidden is None else cache.encoder_hidden.shape[1]
+                need = encoder_from - decoder_from
+                if stored < need:
+                    raise ValueError(f"policy 'cached_hidden': needs H_(L_e) of {need} cached "
+                                     f"positions, the cache holds {stored} (raise the engine's "
+                                     "hidden_tail)")
+                first = cache.length - stored
+                hidden_before = cache.encoder_hidden[:, decoder_from - first:encoder_from - first]
+        # A replay segment starts where the decoder has no window state: truncation by absence.
+        if policy != "keep_decoder_swa" or decoder_from > prefix:
+            cache.clear_decoder_windows()
+        cache.encoder_windows_evicted = False
+        cache.decoder_windows_evicted = False
+        return self._advance(cache, suffix_ids, encoder_from, decoder_from, hidden_before)

@@ -1,0 +1,603 @@
+"""The CED model family (dense, swa, yoco, ced) in one file.
+
+One code path serves training, parallel evaluation and incremental inference:
+`CEDModel.run_layers` processes a run of new positions through a run of layers, reading and
+(optionally) extending per-layer window caches and per-source global KV states. The parallel
+forward calls it once over all positions with empty states; the inference engine calls it with
+its cache. Attention itself is `attend`; which window keys a query may see is
+`window_lower_bound`; which global entries, `visible_entries` and `select_entries`.
+Semantics: ../shared/design/ced-spec.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import LayerSpec, ModelConfig, build_plan
+
+# ---------------------------------------------------------------------------------------------
+# The semantics: masks, replay starts, visibility and selection. Nothing else computes these.
+# ---------------------------------------------------------------------------------------------
+
+
+def as_replay_starts(value: None | int | Tensor, batch: int, name: str,
+                     device: torch.device | None = None) -> Tensor | None:
+    """Normalise a replay-start argument to LongTensor[B, K] (K starts per row) or None.
+
+    Accepts None, an int (same start for every row), LongTensor[B] or LongTensor[B, K].
+    A query at position i is truncated at the latest start s <= i (spec section 7).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected None, an int >= 0 or a LongTensor; got a bool")
+    if isinstance(value, int):
+        starts = torch.full((batch, 1), value, dtype=torch.long, device=device)
+    elif isinstance(value, Tensor):
+        if value.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name}: tensor must be integer-valued; got dtype {value.dtype}")
+        starts = value.to(device=device, dtype=torch.long)
+        if starts.dim() == 1:
+            starts = starts[:, None]
+        if starts.dim() != 2 or starts.shape[0] != batch:
+            raise ValueError(f"{name}: tensor must have shape [B] or [B, K] with B={batch}; "
+                             f"got {tuple(value.shape)}")
+    else:
+        raise ValueError(f"{name}: expected None, an int >= 0 or a LongTensor; got "
+                         f"{type(value).__name__}")
+    if starts.numel() and int(starts.min()) < 0:
+        raise ValueError(f"{name}: replay starts must be >= 0; got {int(starts.min())}")
+    return starts
+
+
+def window_lower_bound(query_positions: Tensor, window: int | None,
+                       replay_starts: Tensor | None) -> Tensor:
+    """Earliest window-key position each query may see: max(i - W + 1, s(i), 0).
+
+    query_positions: LongTensor[Tq]; window: W, or None for the whole causal prefix;
+    replay_starts: LongTensor[B, K] or None, s(i) = latest start <= i (0 if none).
+    Returns LongTensor[B, Tq] (or [1, Tq] without starts). A query sees keys p with
+    lower <= p <= i.
+    """
+    lower = query_positions if window is None else query_positions - (window - 1)
+    lower = lower.clamp(min=0) if window is not None else torch.zeros_like(query_positions)
+    lower = lower[None, :]
+    if replay_starts is not None:
+        applies = replay_starts[:, None, :] <= query_positions[None, :, None]   # [B, Tq, K]
+        latest = torch.where(applies, replay_starts[:, None, :], 0).amax(dim=-1)
+        lower = torch.maximum(lower, latest)
+    return lower
+
+
+def visible_entries(query_positions: Tensor, compress_ratio: int) -> Tensor:
+    """Number of global entries visible to each query: only complete blocks,
+    entry j visible to query i iff (j + 1) * m <= i + 1. LongTensor[Tq]."""
+    return torch.div(query_positions + 1, compress_ratio, rounding_mode="floor")
+
+
+def select_entries(scores: Tensor, n_visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k visible entries per query; among equal scores the lower entry index wins.
+
+    scores: [B, Tq, E]; n_visible: LongTensor[Tq]. Returns (index, valid), both [B, Tq, min(k, E)];
+    slots with valid=False are padding (fewer than k visible) and must be masked by the reader.
+    """
+    n_entries = scores.shape[-1]
+    k = min(k, n_entries)
+    entry = torch.arange(n_entries, device=scores.device)
+    visible = entry[None, :] < n_visible[:, None]                             # [Tq, E]
+    # +0.0 turns -0.0 into +0.0 so that a sort cannot order the two zeros apart.
+    key = torch.where(visible, -(scores + 0.0), torch.inf)
+    index = torch.sort(key, dim=-1, stable=True).indices[..., :k]
+    valid = torch.arange(k, device=scores.device)[None, :] < n_visible[:, None]  # [Tq, k]
+    return index, valid.expand(scores.shape[0], -1, -1)
+
+
+def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary embedding of x [..., T, Dh] at integer positions [T] (angles in float64)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    angle = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# State: per-layer window KV and per-source global KV. Empty in a parallel forward; the engine's
+# cache in incremental inference.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WindowKV:
+    """Window keys/values one layer keeps for later queries: k, v [B, H, S, Dh] at ascending
+    positions [S]. Positions absent here (evicted, or never computed: bounded replay) are simply
+    not visible, which is how a replay start acts inside the engine."""
+
+    k: Tensor
+    v: Tensor
+    positions: Tensor
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, like: Tensor) -> "WindowKV":
+        kv = like.new_zeros(batch, heads, 0, head_dim)
+        return cls(kv, kv.clone(), torch.zeros(0, dtype=torch.long, device=like.device))
+
+
+@dataclass
+class SourceKV:
+    """One global KV: complete entries k, v [B, H, E, Dh] (RoPE at j*m), indexer keys [B, E, Di],
+    and the projected tokens of the incomplete block, pending_tokens [B, p, 2D] and
+    pending_gates [B, p, H], not yet visible to anyone."""
+
+    k: Tensor
+    v: Tensor
+    index_keys: Tensor | None
+    pending_tokens: Tensor
+    pending_gates: Tensor
+    compress_ratio: int
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, compress_ratio: int, batch: int, like: Tensor) -> "SourceKV":
+        h, dh, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+        index_keys = like.new_zeros(batch, 0, cfg.indexer_dim) if cfg.topk is not None else None
+        return cls(like.new_zeros(batch, h, 0, dh), like.new_zeros(batch, h, 0, dh), index_keys,
+                   like.new_zeros(batch, 0, 2 * d), like.new_zeros(batch, 0, h), compress_ratio)
+
+    @property
+    def n_entries(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def next_position(self) -> int:
+        """First token position this source has not consumed yet."""
+        return self.n_entries * self.compress_ratio + self.pending_tokens.shape[1]
+
+
+@dataclass
+class Selection:
+    """Top-k entries chosen for the current queries: index/valid [B, Tq, k]; scores [B, Tq, k]
+    are the indexer's (with grad) for the KL loss. With a dense read, index is None and scores
+    cover every entry [B, Tq, E]."""
+
+    index: Tensor | None
+    valid: Tensor | None
+    scores: Tensor | None
+
+
+@dataclass
+class ForwardContext:
+    """Per-call settings and scratch shared by the layers of one forward/engine call."""
+
+    keep_windows: bool = False
+    dense_global_read: bool = False
+    want_aux: bool = False
+    selections: dict[int, Selection] = field(default_factory=dict)
+    indexer_kl: list[Tensor] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function: one softmax over window keys, selected global entries and a sink.
+# ---------------------------------------------------------------------------------------------
+
+
+def _gather_entries(entries: Tensor, index: Tensor) -> Tensor:
+    """entries [B, H, E, Dh], index [B, C, k] -> [B, C, k, H, Dh] (index_select: a cheap
+    backward that scatters into [B, E, H, Dh], not into a [B, C, E, ...] tensor)."""
+    b, h, e, dh = entries.shape
+    flat = entries.transpose(1, 2).reshape(b * e, h * dh)
+    offset = (torch.arange(b, device=index.device) * e)[:, None, None]
+    picked = flat.index_select(0, (index + offset).reshape(-1))
+    return picked.view(*index.shape, h, dh)
+
+
+def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
+           source: SourceKV | None, selection: Selection | None, sink: Tensor | None,
+           block: int, want_global_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Attention of queries over their window keys and global entries, in query blocks.
+
+    q: [B, H, Tq, Dh] (rotated) at query_positions [Tq]; lower: [B|1, Tq] from
+    `window_lower_bound`; window: keys at ascending positions, or None (no window keys);
+    source: the global KV read, or None; selection: top-k entries, or None/index None to read
+    every visible entry; sink: [H] logits that only enter the denominator.
+    Returns the output [B, H, Tq, Dh] and, if asked, the attention mass on global entries
+    summed over heads, [B, Tq, k] (selected read) or [B, Tq, E] (dense read), detached.
+    """
+    b, h, n_queries, dh = q.shape
+    scale = 1.0 / math.sqrt(dh)
+    sparse = selection is not None and selection.index is not None
+    n_visible = visible_entries(query_positions, source.compress_ratio) if source else None
+    outputs, global_probs = [], []
+    for c0 in range(0, n_queries, block):
+        c1 = min(c0 + block, n_queries)
+        qc = q[:, :, c0:c1]
+        qpos = query_positions[c0:c1]
+        logits, values = [], []
+        if window is not None:
+            low = lower[:, c0:c1]
+            first = int(torch.searchsorted(window.positions, low.min()))
+            last = int(torch.searchsorted(window.positions, qpos[-1], right=True))
+            kpos = window.positions[first:last]
+            seen = (kpos[None, None, :] >= low[:, :, None]) & (kpos[None, None, :] <= qpos[None, :, None])
+            wl = torch.matmul(qc, window.k[:, :, first:last].transpose(-1, -2)) * scale
+            logits.append(wl.masked_fill(~seen[:, None], -torch.inf))
+            values.append(window.v[:, :, first:last])
+        if source is not None and sparse:
+            idx, valid = selection.index[:, c0:c1], selection.valid[:, c0:c1]
+            gk, gv = _gather_entries(source.k, idx), _gather_entries(source.v, idx)
+            gl = torch.einsum("bhcd,bckhd->bhck", qc, gk) * scale
+            logits.append(gl.masked_fill(~valid[:, None], -torch.inf))
+        elif source is not None:
+            n_read = int(n_visible[c1 - 1])
+            gl = torch.matmul(qc, source.k[:, :, :n_read].transpose(-1, -2)) * scale
+            seen = torch.arange(n_read, device=q.device)[None, :] < n_visible[c0:c1, None]
+            logits.append(gl.masked_fill(~seen[None, None], -torch.inf))
+        if sink is not None:
+            logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c1 - c0, 1))
+        probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+        out = qc.new_zeros(b, h, c1 - c0, dh)
+        at = 0
+        if window is not None:
+            width = values[0].shape[2]
+            out = out + torch.matmul(probs[..., at:at + width], values[0])
+            at += width
+        if source is not None:
+            width = gl.shape[-1]
+            gp = probs[..., at:at + width]
+            if sparse:
+                out = out + torch.einsum("bhck,bckhd->bhcd", gp, gv)
+            else:
+                out = out + torch.matmul(gp, source.v[:, :, :width])
+            if want_global_probs:
+                mass = gp.detach().sum(dim=1)
+                if not sparse:
+                    mass = F.pad(mass, (0, source.n_entries - width))
+                global_probs.append(mass)
+        outputs.append(out)
+    result = torch.cat(outputs, dim=2)
+    return result, (torch.cat(global_probs, dim=1) if global_probs else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class GlobalKVSource(nn.Module):
+    """Produces one global KV from a hidden state: per-token K/V projection, softmax-gated
+    pooling over blocks of `compress_ratio` tokens, RoPE at the block's first position, and
+    indexer keys projected from the pooled entry (spec section 3)."""
+
+    def __init__(self, cfg: ModelConfig, compress_ratio: int):
+        super().__init__()
+        self.cfg, self.ratio = cfg, compress_ratio
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.d_model, bias=False)
+        if compress_ratio > 1:
+            self.gate = nn.Linear(cfg.d_model, cfg.n_heads, bias=False)
+            self.gate_bias = nn.Parameter(torch.zeros(compress_ratio, cfg.n_heads))
+        # The indexer is trained by its KL loss alone, so its keys read a detached entry.
+        self.index_key = (nn.Linear(2 * cfg.d_model, cfg.indexer_dim, bias=False)
+                          if cfg.topk is not None else None)
+
+    def append(self, state: SourceKV, x: Tensor, positions: Tensor) -> None:
+        """Consume new tokens x [B, T, D] at contiguous positions [T]; complete blocks become
+        entries. Tokens the source already holds (a prefix-cache replay) are skipped."""
+        if positions.numel() == 0:
+            return
+        expected, first = state.next_position, int(positions[0])
+        if first > expected:
+            raise ValueError(
+                f"global KV source: tokens from position {expected} are missing (got tokens from "
+                f"{first}); a replay must start at or before the incomplete compression block")
+        x = x[:, expected - first:]
+        if x.shape[1] == 0:
+            return
+        b, cfg, m = x.shape[0], self.cfg, self.ratio
+        tokens = torch.cat((state.pending_tokens, self.kv(x)), dim=1)
+        gates = (torch.cat((state.pending_gates, self.gate(x)), dim=1) if m > 1
+                 else state.pending_gates)
+        n_new = tokens.shape[1] // m
+        if n_new:
+            block = tokens[:, :n_new * m].view(b, n_new, m, 2, cfg.n_heads, cfg.head_dim)
+            if m > 1:
+                weight = torch.softmax(gates[:, :n_new * m].view(b, n_new, m, cfg.n_heads)
+                                       + self.gate_bias, dim=2)
+                entry = (block * weight[:, :, :, None, :, None]).sum(dim=2)
+            else:
+                entry = block[:, :, 0]
+            entry_pos = (state.n_entries + torch.arange(n_new, device=x.device)) * m
+            k = rotary(entry[:, :, 0].transpose(1, 2), entry_pos, cfg.rope_theta)
+            state.k = torch.cat((state.k, k), dim=2)
+            state.v = torch.cat((state.v, entry[:, :, 1].transpose(1, 2)), dim=2)
+            if self.index_key is not None:
+                keys = self.index_key(entry.reshape(b, n_new, 2 * cfg.d_model).detach())
+                state.index_keys = torch.cat((state.index_keys, keys), dim=1)
+        state.pending_tokens = tokens[:, n_new * m:]
+        if m > 1:
+            state.pending_gates = gates[:, n_new * m:]
+
+
+class IndexerQuery(nn.Module):
+    """The lightning indexer's query side for a Full or Reindex layer:
+    score(i, j) = sum_h w_h(x_i) * relu(q_h(x_i) . k_j)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.dim = cfg.indexer_heads, cfg.indexer_dim
+        self.q = nn.Linear(cfg.d_model, self.heads * self.dim, bias=False)
+        self.w = nn.Linear(cfg.d_model, self.heads, bias=False)
+
+    def scores(self, x: Tensor, keys: Tensor) -> Tensor:
+        """x [B, C, D] (detached by the caller), keys [B, E, Di] -> scores [B, C, E]."""
+        b, c, _ = x.shape
+        q = self.q(x).view(b, c, self.heads, self.dim)
+        w = self.w(x) * (self.heads ** -0.5)
+        dots = torch.relu(torch.einsum("bchd,bed->bche", q, keys) * (self.dim ** -0.5))
+        return torch.einsum("bch,bche->bce", w, dots)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.cfg, self.spec = cfg, spec
+        d = cfg.d_model
+        self.has_window = spec.window is not None or spec.full_causal
+        self.q = nn.Linear(d, d, bias=False)
+        if self.has_window:
+            self.k = nn.Linear(d, d, bias=False)
+            self.v = nn.Linear(d, d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.sink = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sink else None
+        self.indexer = (IndexerQuery(cfg) if cfg.topk is not None
+                        and spec.global_mode in ("full", "reindex") else None)
+
+    def _split(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.cfg.n_heads, self.cfg.head_dim).transpose(1, 2)
+
+    def _select(self, x: Tensor, positions: Tensor, source: SourceKV,
+                ctx: ForwardContext) -> Selection:
+        """Indexer scores for the current queries, block by block, and their top-k."""
+        n_visible = visible_entries(positions, source.compress_ratio)
+        x = x.detach()
+        if ctx.dense_global_read:   # warm-up: read everything, train the indexer on all of it
+            return Selection(None, None, self.indexer.scores(x, source.index_keys))
+        picks, valids, picked_scores = [], [], []
+        block = self.cfg.attention_block
+        for c0 in range(0, x.shape[1], block):
+            c1 = min(c0 + block, x.shape[1])
+            scores = self.indexer.scores(x[:, c0:c1], source.index_keys)
+            index, valid = select_entries(scores, n_visible[c0:c1], self.cfg.topk)
+            picks.append(index)
+            valids.append(valid)
+            if ctx.want_aux:
+                picked_scores.append(torch.gather(scores, -1, index))
+        return Selection(torch.cat(picks, 1), torch.cat(valids, 1),
+                         torch.cat(picked_scores, 1) if picked_scores else None)
+
+    def forward(self, x: Tensor, positions: Tensor, lower: Tensor | None,
+                window: WindowKV | None, source: SourceKV | None, ctx: ForwardContext) -> Tensor:
+        """x [B, T, D] (normalised) at contiguous positions [T] -> [B, T, D]."""
+        cfg, spec = self.cfg, self.spec
+        q = rotary(self._split(self.q(x)), positions, cfg.rope_theta)
+        keys = None
+        if self.has_window:
+            k = rotary(self._split(self.k(x)), positions, cfg.rope_theta)
+            v = self._split(self.v(x))
+            if window is not None:
+                keys = WindowKV(torch.cat((window.k, k), 2), torch.cat((window.v, v), 2),
+                                torch.cat((window.positions, positions)))
+            else:
+                keys = WindowKV(k, v, positions)
+
+        selection = None
+        if source is not None and cfg.topk is not None:
+            if self.indexer is not None:
+                selection = self._select(x, positions, source, ctx)
+                ctx.selections[spec.global_source] = selection
+            else:
+                selection = ctx.selections[spec.global_source]
+                if ctx.dense_global_read:
+                    selection = None
+        train_indexer = ctx.want_aux and self.indexer is not None
+        out, global_probs = attend(q, positions, lower, keys, source, selection, self.sink,
+                                   cfg.attention_block, want_global_probs=train_indexer)
+        if train_indexer:
+            ctx.indexer_kl.append(_indexer_kl(global_probs, selection, positions, source))
+
+        if window is not None and ctx.keep_windows:
+            keep_from = 0
+            if spec.window is not None:
+                keep_from = int(torch.searchsorted(keys.positions,
+                                                   positions[-1] - spec.window + 2))
+            window.k, window.v = keys.k[:, :, keep_from:], keys.v[:, :, keep_from:]
+            window.positions = keys.positions[keep_from:]
+        b, t = x.shape[:2]
+        return self.o(out.transpose(1, 2).reshape(b, t, cfg.d_model))
+
+
+def _indexer_kl(global_probs: Tensor, selection: Selection, positions: Tensor,
+                source: SourceKV) -> Tensor:
+    """KL(main attention over the candidates || softmax of indexer scores over them), averaged
+    over queries with at least one candidate. The main distribution is detached."""
+    if selection.index is not None:
+        candidate = selection.valid
+    else:
+        n_visible = visible_entries(positions, source.compress_ratio)
+        candidate = (torch.arange(source.n_entries, device=positions.device)[None, :]
+                     < n_visible[:, None])[None].expand_as(selection.scores)
+    target = global_probs.masked_fill(~candidate, 0.0)
+    total = target.sum(-1, keepdim=True)
+    has_candidates = candidate.any(-1) & (total[..., 0] > 0)
+    target = target / total.clamp_min(torch.finfo(target.dtype).tiny)
+    log_q = torch.log_softmax(selection.scores.masked_fill(~candidate, -torch.inf), dim=-1)
+    terms = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - log_q), 0.0)
+    per_query = terms.sum(-1)
+    if not bool(has_candidates.any()):
+        return per_query.sum() * 0.0
+    return per_query[has_candidates].mean()
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.down = nn.Linear(cfg.ff_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg, spec)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+
+@dataclass
+class ModelState:
+    """Everything a run of layers reads besides the hidden state: one WindowKV per layer that
+    has window keys (None otherwise) and one SourceKV per global source."""
+
+    windows: list[WindowKV | None]
+    sources: list[SourceKV]
+
+
+class CEDModel(nn.Module):
+    """All four variants. `forward` is the parallel forward over a whole sequence; the engine
+    (`ced.inference`) drives the same `run_layers` incrementally."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.plan = build_plan(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
+        self.sources = nn.ModuleList(GlobalKVSource(cfg, s.compress_ratio)
+                                     for s in self.plan.sources)
+        self.source_fed_by = {s.from_layer: s.index for s in self.plan.sources
+                              if s.from_layer is not None}
+        # The decoder's global KV reads RMSNorm(H_{L_e}), with a norm of its own.
+        self.encoder_output_norm = RMSNorm(cfg.d_model) if cfg.has_decoder else None
+        self.final_norm = RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.drop = nn.Dropout(cfg.dropout)
+        self.apply(self._init_weights)
+        for block in self.blocks:   # residual projections scaled down with depth (GPT-2)
+            std = 0.02 / math.sqrt(2 * cfg.n_layers)
+            nn.init.normal_(block.attn.o.weight, std=std)
+            nn.init.normal_(block.mlp.down.weight, std=std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    # ---- building blocks shared with the engine ------------------------------------------
+
+    def empty_state(self, batch: int, keep_windows: bool) -> ModelState:
+        like = self.embed.weight
+        cfg = self.cfg
+        windows = [WindowKV.empty(batch, cfg.n_heads, cfg.head_dim, like)
+                   if keep_windows and b.attn.has_window else None for b in self.blocks]
+        sources = [SourceKV.empty(cfg, s.compress_ratio, batch, like) for s in self.plan.sources]
+        return ModelState(windows, sources)
+
+    def run_layers(self, part: str, h: Tensor, positions: Tensor, state: ModelState,
+                   ctx: ForwardContext, replay_starts: Tensor | None = None) -> Tensor:
+        """Run new positions [T] (contiguous) with hidden state h [B, T, D] through the
+        'encoder' or 'decoder' layers; window queries are truncated at `replay_starts`
+        ([B, K] or None) on top of whatever positions the window caches lack."""
+        for spec in self.plan.part(part):
+            block = self.blocks[spec.index]
+            x = block.attn_norm(h)
+            fed = self.source_fed_by.get(spec.index)
+            if fed is not None:
+                self.sources[fed].append(state.sources[fed], x, positions)
+            lower = None
+            if block.attn.has_window:
+                lower = window_lower_bound(positions, spec.window, replay_starts)
+            source = state.sources[spec.global_source] if spec.global_source is not None else None
+            h = h + self.drop(block.attn(x, positions, lower, state.windows[spec.index],
+                                         source, ctx))
+            h = h + self.drop(block.mlp(block.mlp_norm(h)))
+        return h
+
+    def feed_decoder_source(self, encoder_out: Tensor, positions: Tensor,
+                            state: ModelState) -> None:
+        """Project the decoder's one global KV from RMSNorm(H_{L_e}) at `positions`."""
+        src = self.plan.decoder_source
+        if src is not None:
+            self.sources[src.index].append(state.sources[src.index],
+                                           self.encoder_output_norm(encoder_out), positions)
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.final_norm(h))
+
+    # ---- the parallel forward ------------------------------------------------------------
+
+    def forward(self, input_ids: Tensor, decoder_replay_start: None | int | Tensor = None,
+                encoder_replay_start: None | int | Tensor = None, *, return_aux: bool = False,
+                dense_global_read: bool = False):
+        """Parallel forward. input_ids [B, T] -> logits [B, T, V].
+
+        decoder_replay_start: None, int, LongTensor[B] or [B, K]: every decoder window query at
+        position i is truncated at the latest start s <= i (spec 4.1 and 7). With s = T - N this
+        equals early-exit prefill with replay N followed by decode steps.
+        encoder_replay_start: the same for encoder (and dense/swa) windows (spec 7; a plain mask,
+        not the prefix-cache emulation of spec 4.2, which reuses untruncated global KV).
+        return_aux: also return {"indexer_kl": scalar} (0 when there is no indexer).
+        dense_global_read: read every visible global entry even when topk is set (indexer
+        warm-up); the indexer KL then covers every visible entry.
+        """
+        cfg = self.cfg
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected shape [B, T]; got {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if t > cfg.max_seq_len:
+            raise ValueError(f"input_ids: length {t} exceeds ModelConfig.max_seq_len="
+                             f"{cfg.max_seq_len}")
+        if decoder_replay_start is not None and not cfg.has_decoder:
+            raise ValueError(f"decoder_replay_start: variant {cfg.variant!r} has no decoder; "
+                             "only 'yoco' and 'ced' accept it")
+        dec_starts = as_replay_starts(decoder_replay_start, b, "decoder_replay_start",
+                                      input_ids.device)
+        enc_starts = as_replay_starts(encoder_replay_start, b, "encoder_replay_start",
+                                      input_ids.device)
+        ctx = ForwardContext(keep_windows=False, dense_global_read=dense_global_read,
+                             want_aux=return_aux)
+        state = self.empty_state(b, keep_windows=False)
+        positions = torch.arange(t, device=input_ids.device)
+        h = self.drop(self.embed(input_ids))
+        h = self.run_layers("encoder", h, positions, state, ctx, enc_starts)
+        if cfg.has_decoder:
+            self.feed_decoder_source(h, positions, state)
+            h = self.run_layers("decoder", h, positions, state, ctx, dec_starts)
+        logits = self.logits(h)
+        if not return_aux:
+            return logits
+        kl = torch.stack(ctx.indexer_kl).mean() if ctx.indexer_kl else logits.new_zeros(())
+        return logits, {"indexer_kl": kl}
