@@ -33,8 +33,8 @@ class ModelConfig:
     vocab_size: int = 259
     d_model: int = 128
     n_heads: int = 4
-    n_encoder_layers: int = 4
-    n_decoder_layers: int = 4
+    n_encoder_layers: int = 8
+    n_decoder_layers: int = 8
     window: int = 32
     topk: int | None = None
     global_from_layer: int = 2
@@ -92,54 +92,59 @@ def _fail(field_name: str, message: str, value: Any) -> None:
     raise ValueError(f"ModelConfig.{field_name}: {message}; got {value!r}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(c: ModelConfig, name: str, minimum: int, none_means: str | None = None) -> None:
+    value = getattr(c, name)
+    if value is None and none_means is not None:
+        return
+    if not _is_int(value) or value < minimum:
+        allowed = f"an integer >= {minimum}"
+        _fail(name, f"must be None ({none_means}) or {allowed}" if none_means
+              else f"must be {allowed}", value)
+
+
 def _validate(c: ModelConfig) -> None:
     if c.variant not in VARIANTS:
         _fail("variant", f"must be one of {VARIANTS}", c.variant)
     for name in ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "max_seq_len",
-                 "indexer_heads", "indexer_dim", "attention_block"):
-        value = getattr(c, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            _fail(name, "must be an integer >= 1", value)
+                 "indexer_heads", "indexer_dim", "attention_block", "encoder_compress_ratio",
+                 "decoder_compress_ratio"):
+        _check_int(c, name, 1)
     if c.d_model % c.n_heads:
         _fail("n_heads", f"must divide d_model ({c.d_model})", c.n_heads)
     if c.head_dim % 2:
         _fail("n_heads", f"d_model / n_heads must be even for rotary embeddings "
               f"(d_model={c.d_model})", c.n_heads)
-    min_decoder = 1 if c.has_decoder else 0
-    if not isinstance(c.n_decoder_layers, int) or c.n_decoder_layers < min_decoder:
-        _fail("n_decoder_layers", f"must be an integer >= {min_decoder} for variant "
-              f"{c.variant!r}", c.n_decoder_layers)
-    if c.variant != "dense" and (not isinstance(c.window, int) or c.window < 1):
-        _fail("window", "must be an integer >= 1 (a query sees itself and window-1 earlier "
-              "positions)", c.window)
-    if c.topk is not None and (not isinstance(c.topk, int) or isinstance(c.topk, bool)
-                               or c.topk < 1):
-        _fail("topk", "must be None (read every visible global entry) or an integer >= 1", c.topk)
-    for name in ("encoder_compress_ratio", "decoder_compress_ratio"):
-        if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
-            _fail(name, "must be an integer >= 1", getattr(c, name))
-    if c.decoder_reindex_every is not None and (
-            not isinstance(c.decoder_reindex_every, int) or c.decoder_reindex_every < 1):
-        _fail("decoder_reindex_every", "must be None (no Reindex layers) or an integer >= 1",
-              c.decoder_reindex_every)
-    if c.d_ff is not None and (not isinstance(c.d_ff, int) or c.d_ff < 1):
-        _fail("d_ff", "must be None (4 * d_model) or an integer >= 1", c.d_ff)
-    if not 0.0 <= c.dropout < 1.0:
+    _check_int(c, "n_decoder_layers", 1 if c.has_decoder else 0)
+    if c.variant != "dense":
+        _check_int(c, "window", 1)
+    _check_int(c, "topk", 1, none_means="read every visible global entry")
+    _check_int(c, "decoder_reindex_every", 1, none_means="no Reindex layers")
+    _check_int(c, "d_ff", 1, none_means="4 * d_model")
+    if not isinstance(c.attention_sink, bool):
+        _fail("attention_sink", "must be true or false", c.attention_sink)
+    if not isinstance(c.tie_embeddings, bool):
+        _fail("tie_embeddings", "must be true or false", c.tie_embeddings)
+    if isinstance(c.dropout, bool) or not isinstance(c.dropout, (int, float)) \
+            or not 0.0 <= c.dropout < 1.0:
         _fail("dropout", "must lie in [0, 1)", c.dropout)
-    if not c.rope_theta > 0:
+    if isinstance(c.rope_theta, bool) or not isinstance(c.rope_theta, (int, float)) \
+            or not c.rope_theta > 0:
         _fail("rope_theta", "must be > 0", c.rope_theta)
 
     if c.variant == "yoco" and c.decoder_compress_ratio != 1:
         _fail("decoder_compress_ratio", "must be 1 for variant 'yoco' (YOCO's cross-decoder "
               "reads an uncompressed KV)", c.decoder_compress_ratio)
     if c.variant == "ced":
-        if not isinstance(c.global_from_layer, int) or not (
+        if not _is_int(c.global_from_layer) or not (
                 0 <= c.global_from_layer <= c.n_encoder_layers):
             _fail("global_from_layer", f"must lie in [0, n_encoder_layers={c.n_encoder_layers}]",
                   c.global_from_layer)
         global_layers = c.n_encoder_layers - c.global_from_layer
-        if not isinstance(c.encoder_kv_groups, int) or c.encoder_kv_groups < 0:
-            _fail("encoder_kv_groups", "must be an integer >= 0", c.encoder_kv_groups)
+        _check_int(c, "encoder_kv_groups", 0)
         if global_layers > 0 and not 1 <= c.encoder_kv_groups <= global_layers:
             _fail("encoder_kv_groups", f"must lie in [1, {global_layers}] so that every group "
                   f"holds at least one of the encoder layers {c.global_from_layer}.."

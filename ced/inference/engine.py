@@ -159,11 +159,12 @@ class InferenceEngine:
 
     @torch.no_grad()
     def _advance(self, cache: Cache, new_ids: Tensor, encoder_from: int, decoder_from: int,
-                 hidden_before: Tensor | None = None) -> Tensor:
+                 stored_hidden: Tensor | None = None) -> Tensor:
         """Append new_ids [B, m] to the sequence: the encoder runs positions
         [encoder_from, L + m) (cached tokens before L are an encoder replay), the decoder runs
-        [decoder_from, L + m); hidden_before holds H_{L_e} for decoder positions before
-        encoder_from. Returns logits [B, V] at the last position."""
+        [decoder_from, L + m). stored_hidden [B, n, D], if given, is H_{L_e} of the decoder's
+        first n positions and takes the place of the encoder's output there.
+        Returns logits [B, V] at the last position."""
         model = self.model
         tokens = torch.cat((cache.tokens, new_ids.to(cache.tokens.device)), dim=1)
         end = tokens.shape[1]
@@ -174,9 +175,12 @@ class InferenceEngine:
         if self.cfg.has_decoder:
             model.feed_decoder_source(h, positions, cache.state)
             self._keep_hidden(cache, h, encoder_from)
-            decoder_in = h[:, max(decoder_from - encoder_from, 0):]
-            if hidden_before is not None:
-                decoder_in = torch.cat((hidden_before, decoder_in), dim=1)
+            n_stored = 0 if stored_hidden is None else stored_hidden.shape[1]
+            if decoder_from + n_stored < encoder_from:
+                raise ValueError("internal: the decoder segment starts before any H_(L_e)")
+            decoder_in = h[:, decoder_from + n_stored - encoder_from:]
+            if n_stored:
+                decoder_in = torch.cat((stored_hidden, decoder_in), dim=1)
             h = model.run_layers("decoder", decoder_in,
                                  torch.arange(decoder_from, end, device=tokens.device),
                                  cache.state, ctx)
@@ -185,13 +189,15 @@ class InferenceEngine:
 
     def _keep_hidden(self, cache: Cache, encoder_out: Tensor, first: int) -> None:
         """Keep H_{L_e} of the trailing `hidden_tail` positions; encoder_out covers positions
-        from `first`. Stored positions before `first` stay (they come from a full encoder)."""
+        [first, L + m). Where the stored tail already has a position, it wins: it came from a
+        full encoder pass, the new value may come from a bounded encoder replay."""
         if not self.hidden_tail:
             return
         old = cache.encoder_hidden
-        if old is not None:
+        if old is not None and old.shape[1]:
             old_first = cache.length - old.shape[1]
-            encoder_out = torch.cat((old[:, :max(0, first - old_first)], encoder_out), dim=1)
+            encoder_out = torch.cat((encoder_out[:, :max(0, old_first - first)], old,
+                                     encoder_out[:, cache.length - first:]), dim=1)
         cache.encoder_hidden = encoder_out[:, -self.hidden_tail:]
 
     # ---- public API --------------------------------------------------------------------------
@@ -289,7 +295,7 @@ class InferenceEngine:
 
         n_replay = self.resolve_replay(replay, end) if replay is not None else n_new
         replay_start = end - n_replay
-        hidden_before = None
+        stored_hidden = None
         if policy == "keep_decoder_swa":
             if cache.decoder_windows_evicted:
                 raise ValueError("policy 'keep_decoder_swa': this prefix cache dropped the "
@@ -302,20 +308,18 @@ class InferenceEngine:
                 raise ValueError("policy 'encoder_replay': needs a prefix cache with evicted "
                                  "encoder windows (Cache.as_prefix_cache) and encoder_replay")
             decoder_from = max(encoder_from, replay_start)
-        else:  # cached_hidden
+        else:  # cached_hidden: prefix positions of the segment read the stored H_{L_e}
             decoder_from = replay_start
-            if decoder_from < encoder_from:
+            if decoder_from < prefix:
                 stored = 0 if cache.encoder_hidden is None else cache.encoder_hidden.shape[1]
-                need = encoder_from - decoder_from
-                if stored < need:
-                    raise ValueError(f"policy 'cached_hidden': needs H_(L_e) of {need} cached "
-                                     f"positions, the cache holds {stored} (raise the engine's "
-                                     "hidden_tail)")
-                first = cache.length - stored
-                hidden_before = cache.encoder_hidden[:, decoder_from - first:encoder_from - first]
+                if stored < prefix - decoder_from:
+                    raise ValueError(f"policy 'cached_hidden': needs H_(L_e) of "
+                                     f"{prefix - decoder_from} cached positions, the cache "
+                                     f"holds {stored} (raise InferenceEngine's hidden_tail)")
+                stored_hidden = cache.encoder_hidden[:, stored - (prefix - decoder_from):]
         # A replay segment starts where the decoder has no window state: truncation by absence.
         if policy != "keep_decoder_swa" or decoder_from > prefix:
             cache.clear_decoder_windows()
         cache.encoder_windows_evicted = False
         cache.decoder_windows_evicted = False
-        return self._advance(cache, suffix_ids, encoder_from, decoder_from, hidden_before)
+        return self._advance(cache, suffix_ids, encoder_from, decoder_from, stored_hidden)
