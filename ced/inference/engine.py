@@ -285,6 +285,12 @@ class InferenceEngine:
         encoder_from = prefix
         if cache.encoder_windows_evicted:
             encoder_from = prefix - self._resolve_encoder_replay(encoder_replay, prefix)
+            # The incomplete block's tokens were evicted with the windows; the replay rebuilds them.
+            block_starts = [s.next_position for s in cache.state.sources]
+            if block_starts and encoder_from > min(block_starts):
+                raise ValueError(f"encoder_replay: must reach back to position {min(block_starts)}"
+                                 f" (the incomplete compression block), i.e. be >= "
+                                 f"{prefix - min(block_starts)}; got {prefix - encoder_from}")
         elif encoder_replay is not None:
             raise ValueError("encoder_replay: the encoder windows of this cache are intact; "
                              "encoder replay applies to a prefix cache (Cache.as_prefix_cache)")

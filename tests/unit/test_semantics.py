@@ -1,0 +1,134 @@
+"""The semantic primitives against brute-force definitions: window lower bounds with replay
+starts, complete-block visibility, top-k selection with its tie rule, and the attention
+function's invariance to how queries are blocked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ced.model import (SourceKV, WindowKV, as_replay_starts, attend, select_entries,
+                       visible_entries, window_lower_bound)
+from conftest import TOL, tiny_config
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@SETTINGS
+@given(length=st.integers(1, 40), window=st.one_of(st.none(), st.integers(1, 10)),
+       starts=st.lists(st.lists(st.integers(0, 45), min_size=1, max_size=3), min_size=1,
+                       max_size=3))
+def test_window_lower_bound_matches_definition(length, window, starts):
+    width = max(len(row) for row in starts)
+    padded = torch.tensor([row + [0] * (width - len(row)) for row in starts])
+    lower = window_lower_bound(torch.arange(length), window, padded)
+    for b, row in enumerate(starts):
+        for i in range(length):
+            latest = max([s for s in row if s <= i], default=0)
+            expected = max(0 if window is None else i - window + 1, latest, 0)
+            assert int(lower[b, i]) == expected
+
+
+@given(length=st.integers(1, 60), ratio=st.integers(1, 5))
+def test_visible_entries_are_complete_blocks(length, ratio):
+    counts = visible_entries(torch.arange(length), ratio)
+    for i in range(length):
+        assert int(counts[i]) == sum(1 for j in range(length) if (j + 1) * ratio <= i + 1)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), n_queries=st.integers(1, 6), n_entries=st.integers(1, 12),
+       k=st.integers(1, 14), levels=st.integers(1, 4))
+def test_select_entries_top_k_lower_index_wins_ties(seed, n_queries, n_entries, k, levels):
+    """Scores drawn from a few levels (many exact ties, including -0.0 against +0.0) must give
+    exactly the sorted((-score, index)) choice among visible entries."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-levels, levels + 1, (2, n_queries, n_entries), generator=gen).double()
+    scores = torch.where(torch.rand(scores.shape, generator=gen) < 0.3, -0.0 * scores.abs(),
+                         scores)
+    n_visible = torch.randint(0, n_entries + 1, (n_queries,), generator=gen)
+    index, valid = select_entries(scores, n_visible, k)
+    for b in range(2):
+        for q in range(n_queries):
+            visible = range(int(n_visible[q]))
+            want = sorted(visible, key=lambda j: (-float(scores[b, q, j]), j))[:k]
+            got = [int(index[b, q, s]) for s in range(index.shape[-1]) if valid[b, q, s]]
+            assert got == want
+
+
+def test_as_replay_starts_forms_and_errors():
+    assert as_replay_starts(None, 3, "x") is None
+    assert as_replay_starts(4, 3, "x").tolist() == [[4], [4], [4]]
+    assert as_replay_starts(torch.tensor([1, 2]), 2, "x").tolist() == [[1], [2]]
+    assert as_replay_starts(torch.tensor([[1, 5]]), 1, "x").tolist() == [[1, 5]]
+    with pytest.raises(ValueError, match="decoder_replay_start: replay starts must be >= 0"):
+        as_replay_starts(-1, 2, "decoder_replay_start")
+    with pytest.raises(ValueError, match="decoder_replay_start: tensor must have shape"):
+        as_replay_starts(torch.tensor([1, 2, 3]), 2, "decoder_replay_start")
+    with pytest.raises(ValueError, match="decoder_replay_start: expected None"):
+        as_replay_starts(1.5, 2, "decoder_replay_start")
+    with pytest.raises(ValueError, match="integer-valued"):
+        as_replay_starts(torch.tensor([1.0]), 1, "decoder_replay_start")
+
+
+def _random_sources(seed: int, length: int, ratio: int):
+    gen = torch.Generator().manual_seed(seed)
+    cfg = tiny_config()
+    h, dh = cfg.n_heads, cfg.head_dim
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    n_entries = length // ratio
+    source = SourceKV(rnd(2, h, n_entries, dh), rnd(2, h, n_entries, dh), None,
+                      rnd(2, 0, 2 * cfg.d_model), rnd(2, 0, h), ratio)
+    positions = torch.arange(length)
+    window = WindowKV(rnd(2, h, length, dh), rnd(2, h, length, dh), positions)
+    return rnd(2, h, length, dh), positions, window, source, rnd(h)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), length=st.integers(1, 30), window=st.integers(1, 8),
+       ratio=st.integers(1, 3), block=st.integers(1, 9), start=st.integers(0, 30))
+def test_attend_is_independent_of_query_blocking(seed, length, window, ratio, block, start):
+    q, positions, keys, source, sink = _random_sources(seed, length, ratio)
+    lower = window_lower_bound(positions, window, as_replay_starts(start, 2, "s"))
+    one_block, _ = attend(q, positions, lower, keys, source, None, sink, block=10_000)
+    blocked, _ = attend(q, positions, lower, keys, source, None, sink, block=block)
+    assert (one_block - blocked).abs().max() < TOL
+
+
+def test_attend_sink_only_enters_the_denominator():
+    """A sink of -inf is no sink; a finite sink scales every output row by the mass it takes."""
+    q, positions, keys, source, _ = _random_sources(0, 12, 2)
+    lower = window_lower_bound(positions, 4, None)
+    plain, _ = attend(q, positions, lower, keys, source, None, None, block=5)
+    minus_inf, _ = attend(q, positions, lower, keys, source, None,
+                          torch.full((2,), -torch.inf, dtype=torch.float64), block=5)
+    assert (plain - minus_inf).abs().max() < TOL
+    sunk, _ = attend(q, positions, lower, keys, source, None, torch.zeros(2, dtype=torch.float64),
+                     block=5)
+    ratio = sunk / plain
+    # Same factor for every channel of a (head, query) row, and strictly below one.
+    assert (ratio - ratio[..., :1]).abs().max() < 1e-8
+    assert bool((ratio[..., 0] < 1).all()) and bool((ratio[..., 0] > 0).all())
+
+
+def test_attend_with_a_brute_force_reference():
+    """One query's output against the softmax written out by hand from the spec's rule."""
+    q, positions, keys, source, sink = _random_sources(1, 15, 2)
+    starts = as_replay_starts(torch.tensor([0, 9]), 2, "s")
+    lower = window_lower_bound(positions, 4, starts)
+    out, _ = attend(q, positions, lower, keys, source, None, sink, block=4)
+    scale = q.shape[-1] ** -0.5
+    for b in range(2):
+        for h in range(q.shape[1]):
+            for i in range(15):
+                window = [p for p in range(15) if max(i - 3, 0 if b == 0 or i < 9 else 9) <= p <= i]
+                entries = [j for j in range(source.n_entries) if (j + 1) * 2 <= i + 1]
+                logits = [float(q[b, h, i] @ keys.k[b, h, p]) * scale for p in window]
+                logits += [float(q[b, h, i] @ source.k[b, h, j]) * scale for j in entries]
+                logits.append(float(sink[h]))
+                weights = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+                values = [keys.v[b, h, p] for p in window] + [source.v[b, h, j] for j in entries]
+                expected = sum(w * v for w, v in zip(weights[:-1], values))
+                assert (out[b, h, i] - expected).abs().max() < TOL
