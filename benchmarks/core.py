@@ -14,8 +14,13 @@ decoder_reindex_every 4).
    length. Target: replay = window <= 0.6x the full prefill time (the layer-matmul FLOP ratio
    (L_e*T + L_d*N) / ((L_e + L_d)*T) is about 0.52; it is printed as an estimate).
 3. Peak memory of an early-exit prefill (replay = window) at T = 8192 for the ced model: the
-   increase of the process peak RSS (ru_maxrss) across the prefill, measured in a fresh
-   subprocess (`--peak-memory-child`). Target: under 4 GB.
+   increase of the process peak RSS across the prefill, measured in a fresh subprocess
+   (`--peak-memory-child`): VmHWM (reset just before the prefill) minus VmRSS before it, with
+   the ru_maxrss increase as a cross-check. Target: under 4 GB.
+
+Timings: the machine may be shared, so each timed run first waits (within a 120 s budget for
+the whole run) until other processes use < 0.25 cores, and records how many cores others used
+during it; the table flags a NOISY run.
 
 Results are printed as a table and written to benchmarks/results/core.json
 (core-quick.json with --quick).
@@ -354,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: T=512 (training/prefill) and T=1024 (memory)")
-    parser.add_argument("--iters", type=int, default=3,
-                        help="timed iterations after one warm-up, median reported (default 3)")
+    parser.add_argument("--iters", type=int, default=5,
+                        help="timed iterations after one warm-up, median reported (default 5)")
     parser.add_argument("--peak-memory-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-T", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

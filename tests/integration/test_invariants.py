@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ced import InferenceEngine, exact_encoder_replay_length, exact_replay_length
 from conftest import TOL, configs, engine_logits, make_model, random_ids, tiny_config
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=150, deadline=None)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
