@@ -186,13 +186,32 @@ class ForwardContext:
 # ---------------------------------------------------------------------------------------------
 
 
+class _GatherRows(torch.autograd.Function):
+    """rows[index] with embedding's forward kernel and an index_add backward: on CPU the
+    fastest pairing measured (about 10% of a ced training step over index_select)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.n_rows = rows.shape[0]
+        return F.embedding(index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        grad_rows = grad.new_zeros(ctx.n_rows, grad.shape[-1])
+        grad_rows.index_add_(0, index, grad.reshape(-1, grad.shape[-1]))
+        return grad_rows, None
+
+
 def _gather_entries(entries: Tensor, index: Tensor) -> Tensor:
     """entries [B, H, E, Dh], index [B, C, k] -> [B, H, C, k, Dh], head-major so that the reads
-    below are plain batched matmuls (an einsum over a [B, C, k, H, Dh] layout copies in its
-    backward and ran at half the speed); index_select's backward scatters into [B*H*E, Dh]."""
+    in `attend` are plain batched matmuls (an einsum over a [B, C, k, H, Dh] layout copies in
+    its backward and ran at half the speed)."""
     b, h, e, dh = entries.shape
     offset = (torch.arange(b * h, device=index.device) * e).view(b, h, 1, 1)
-    picked = entries.reshape(b * h * e, dh).index_select(0, (index[:, None] + offset).reshape(-1))
+    picked = _GatherRows.apply(entries.reshape(b * h * e, dh),
+                               (index[:, None] + offset).reshape(-1))
     return picked.view(b, h, *index.shape[1:], dh)
 
 

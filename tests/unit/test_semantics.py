@@ -132,3 +132,22 @@ def test_attend_with_a_brute_force_reference():
                 values = [keys.v[b, h, p] for p in window] + [source.v[b, h, j] for j in entries]
                 expected = sum(w * v for w, v in zip(weights[:-1], values))
                 assert (out[b, h, i] - expected).abs().max() < TOL
+
+
+def test_attend_gradients_through_the_sparse_read():
+    """gradcheck (float64, finite differences) through the top-k gather and its custom
+    backward, with padding slots and a replay start in play."""
+    from ced.model import Selection
+    q, positions, keys, source, sink = _random_sources(2, 9, 2)
+    scores = torch.randn(2, 9, source.n_entries, dtype=torch.float64)
+    index, valid = select_entries(scores, visible_entries(positions, 2), 2)
+    lower = window_lower_bound(positions, 3, as_replay_starts(4, 2, "s"))
+
+    def run(q, wk, wv, gk, gv):
+        window = WindowKV(wk, wv, positions)
+        src = SourceKV(gk, gv, None, source.pending_tokens, source.pending_gates, 2)
+        return attend(q, positions, lower, window, src, Selection(index, valid, None), sink,
+                      block=4)[0]
+
+    inputs = [t.clone().requires_grad_() for t in (q, keys.k, keys.v, source.k, source.v)]
+    assert torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-7)
