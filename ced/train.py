@@ -1,0 +1,438 @@
+"""Training entry point: `python -m ced.train` (or `ced-train`), Hydra config root `conf/`.
+
+    python -m ced.train model=ced data=synthetic train.steps=500
+    python -m ced.train -m model=ced,yoco train.replay.probability=0,0.5     # a sweep
+    accelerate launch --cpu --num_processes 2 -m ced.train ...               # DDP over gloo
+
+Each run writes into its Hydra output directory: `config.yaml` (resolved), `metrics.jsonl`,
+`checkpoints/step_XXXXXXXX/` (accelerate's state: safetensors weights, optimizer, RNG; plus
+`trainer_state.json` with the step, which fixes the data position and the learning rate), and
+`final/` (model.safetensors + config.json, see `ced.checkpoint.load_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import atomic_directory, commit_directory, save_model
+from .data import build_source
+from .model import CEDModel
+from .train_config import ConfigError, ReplaySimulation, TrainConfig, validate
+
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+# ---- replay simulation (spec section 7) ------------------------------------------------------
+
+def sample_replay_starts(sim: ReplaySimulation, row_ids: torch.Tensor, seq_len: int,
+                         seed: int) -> torch.Tensor | None:
+    """Replay starts LongTensor[B, K] for the rows `row_ids` [B] (global row indices, so the
+    draw does not depend on how rows are split over processes); 0 means no truncation.
+    Returns None when the simulation is off."""
+    if sim.probability <= 0:
+        return None
+    starts = torch.zeros(len(row_ids), sim.starts_per_sequence, dtype=torch.long)
+    for b, row in enumerate(row_ids.tolist()):
+        rng = random.Random(f"replay:{seed}:{row}")
+        if rng.random() >= sim.probability:
+            continue
+        for k in range(sim.starts_per_sequence):
+            prompt_end = seq_len if sim.starts_per_sequence == 1 else rng.randint(1, seq_len)
+            length = (sim.length if sim.distribution == "fixed"
+                      else rng.randint(sim.min_length, sim.length))
+            starts[b, k] = max(prompt_end - length, 0)
+    return starts
+
+
+# ---- schedule ----------------------------------------------------------------------------------
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (incomplete ones are hidden .tmp-* directories)."""
+    root = run_dir / CHECKPOINTS
+    return sorted(root.glob("step_*")) if root.exists() else []
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        found = checkpoint_dirs(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / TRAINER_STATE).exists():
+        raise ConfigError(f"train.resume: {resume!r} is not a checkpoint directory (no "
+                          f"{TRAINER_STATE}); use 'never', 'auto' or a checkpoints/step_* path")
+    return path
+
+
+def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int) -> Path:
+    """accelerate's full state into a temporary directory, renamed once complete."""
+    final = run_dir / CHECKPOINTS / f"step_{step:08d}"
+    tmp = None
+    if accelerator.is_main_process:
+        tmp = atomic_directory(final)
+    tmp = Path(_broadcast(accelerator, str(tmp) if tmp else None))
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE).write_text(json.dumps({"step": step}))
+        commit_directory(tmp, final)
+        for old in checkpoint_dirs(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _broadcast(accelerator, value):
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+# ---- evaluation --------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model, source, cfg: TrainConfig, accelerator) -> dict[str, float]:
+    """Validation loss, and per-family answer accuracy (token-level and exact match of whole
+    answers, teacher-forced) on the first `eval_batches` validation batches."""
+    model.eval()
+    t = cfg.train
+    total_loss, total_tokens = 0.0, 0
+    per_family: dict[int, list[float]] = {}
+    for i in range(t.eval_batches):
+        batch = source.rows(i * t.batch_size, t.batch_size, t.seq_len)
+        ids = batch["input_ids"].to(accelerator.device)
+        labels = batch["labels"].to(accelerator.device)
+        with accelerator.autocast():
+            logits = model(ids)
+        total_loss += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                      ignore_index=-100, reduction="sum").item()
+        total_tokens += int((labels != -100).sum())
+        correct = (logits.argmax(-1) == labels).cpu()
+        answer, family = batch["answer_mask"], batch["family_ids"]
+        for row in range(ids.shape[0]):
+            spans = _runs(answer[row].tolist())
+            for start, end in spans:
+                fam = int(family[row, start])
+                ok = correct[row, start:end]
+                per_family.setdefault(fam, []).append(float(ok.all()))
+    model.train()
+    metrics = {"val/loss": total_loss / max(total_tokens, 1)}
+    for fam, hits in sorted(per_family.items()):
+        metrics[f"val/acc/{source.families[fam]}"] = sum(hits) / len(hits)
+    return metrics
+
+
+def _runs(mask: list[bool]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, flag in enumerate(mask + [False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+def make_accelerator(cfg: TrainConfig, run_dir: Path):
+    from accelerate import Accelerator
+    t = cfg.train
+    cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: 'cuda' requested but no GPU is available; use 'auto' "
+                          "or 'cpu'")
+    if cpu and t.mixed_precision == "fp16":
+        raise ConfigError("train.mixed_precision: fp16 does nothing on CPU (accelerate ignores "
+                          "it silently); use 'bf16' or 'no'")
+    return Accelerator(cpu=cpu, mixed_precision=t.mixed_precision,
+                       gradient_accumulation_steps=t.grad_accum,
+                       log_with="wandb" if cfg.logging.wandb else None,
+                       project_dir=str(run_dir))
+
+
+def train(cfg: TrainConfig, run_dir: Path) -> dict:
+    """Run one training job into `run_dir`; returns the last logged metrics."""
+    t = cfg.train
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    accelerator = make_accelerator(cfg, run_dir)
+    try:
+        return _train(cfg, Path(_broadcast(accelerator, str(run_dir))), accelerator)
+    finally:
+        accelerator.end_training()
+        _reset_accelerate()
+
+
+def _reset_accelerate() -> None:
+    """accelerate keeps process-wide singletons; a Hydra multirun in one process needs each
+    job to start clean."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
+    from accelerate.utils import set_seed
+    t, world = cfg.train, accelerator.num_processes
+    per_micro = t.batch_size // t.grad_accum
+    if per_micro % world:
+        raise ConfigError(f"train.batch_size: {t.batch_size} / grad_accum {t.grad_accum} must be "
+                          f"divisible by the number of processes ({world})")
+    per_rank = per_micro // world
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"train.seq_len: must be <= model.max_seq_len "
+                          f"({cfg.model.max_seq_len}); got {t.seq_len}")
+
+    set_seed(t.seed)
+    model = CEDModel(cfg.model)
+    train_source = build_source(cfg.data, "train")
+    val_source = build_source(cfg.data, "validation")
+    if cfg.model.vocab_size < 259:
+        raise ConfigError(f"model.vocab_size: the byte tokenizer needs >= 259; got "
+                          f"{cfg.model.vocab_size}")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    # The learning rate is a pure function of the step (set below), so there is no scheduler
+    # state to save, and none of accelerate's per-process scheduler stepping to account for.
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    start_step = 0
+    resume_from = resolve_resume(t.resume, run_dir)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        start_step = json.loads((resume_from / TRAINER_STATE).read_text())["step"]
+        accelerator.print(f"resumed from {resume_from} at step {start_step}")
+
+    metrics_file = run_dir / "metrics.jsonl"
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(metrics_file, start_step)
+        if cfg.logging.wandb:
+            log = cfg.logging
+            accelerator.init_trackers(log.project, config=_flat(asdict(cfg)), init_kwargs={
+                "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
+                          "tags": list(log.tags), "name": log.name, "dir": str(run_dir)}})
+    progress = _Progress(t.steps, start_step, enabled=t.progress and accelerator.is_main_process)
+    last: dict = {}
+    model.train()
+    for step in range(start_step, t.steps):
+        started = time.perf_counter()
+        lr = o.lr * lr_factor(step, o.warmup_steps, t.steps, o.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # This process's rows of every micro-batch of the step; row ids are global, so the data
+        # and the replay starts do not depend on the process count.
+        micro_batches = []
+        for micro in range(t.grad_accum):
+            first = step * t.batch_size + micro * per_micro + accelerator.process_index * per_rank
+            batch = train_source.rows(first, per_rank, t.seq_len)
+            batch["replay_starts"] = sample_replay_starts(
+                t.replay, torch.arange(first, first + per_rank), t.seq_len, t.seed)
+            micro_batches.append(batch)
+        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+        # Normalise by the loss-bearing tokens of the whole step over every process, so the
+        # gradient is the same whatever the process count and accumulation split.
+        global_tokens = int(accelerator.reduce(
+            torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
+        dense_read = step < t.indexer_warmup_steps
+        step_loss = torch.zeros((), device=accelerator.device)
+        step_kl = torch.zeros((), device=accelerator.device)
+        for batch in micro_batches:
+            ids = batch["input_ids"].to(accelerator.device)
+            labels = batch["labels"].to(accelerator.device)
+            starts = batch["replay_starts"]
+            starts = None if starts is None else starts.to(accelerator.device)
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    logits, aux = model(
+                        ids, decoder_replay_start=starts if cfg.model.has_decoder else None,
+                        encoder_replay_start=starts if t.replay.encoder else None,
+                        return_aux=True, dense_global_read=dense_read)
+                token_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                             ignore_index=-100, reduction="sum")
+                # accelerate divides by grad_accum and DDP averages over processes: undo both.
+                scale = world * t.grad_accum / max(global_tokens, 1)
+                accelerator.backward(token_loss * scale
+                                     + t.indexer_kl_weight * aux["indexer_kl"])
+                if accelerator.sync_gradients and o.grad_clip:
+                    accelerator.clip_grad_norm_(model.parameters(), o.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_loss += token_loss.detach()
+            step_kl += aux["indexer_kl"].detach().float() / t.grad_accum
+        total = accelerator.reduce(torch.stack([step_loss, step_kl]), reduction="sum")
+        loss_value = total[0].item() / max(global_tokens, 1)
+        kl_value = total[1].item() / world
+        if not math.isfinite(loss_value):
+            saved = checkpoint_dirs(run_dir)
+            raise TrainingDiverged(
+                f"non-finite training loss ({loss_value}) at step {step + 1}; the last good "
+                f"checkpoint is {saved[-1] if saved else 'none (nothing saved yet)'}")
+        elapsed = time.perf_counter() - started
+        last = {"step": step + 1, "loss": loss_value, "indexer_kl": kl_value, "lr": lr,
+                "tokens_per_s": per_micro * t.grad_accum * t.seq_len / elapsed}
+        if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+            last.update(evaluate(model, val_source, cfg, accelerator))
+        if accelerator.is_main_process:
+            with open(metrics_file, "a") as handle:
+                handle.write(json.dumps(last) + "\n")
+            if cfg.logging.wandb:
+                accelerator.log({k: v for k, v in last.items() if k != "step"}, step=step + 1)
+        progress.update(last)
+        if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
+            save_checkpoint(accelerator, run_dir, step + 1, t.keep_last)
+    progress.close()
+    if accelerator.is_main_process:
+        save_model(accelerator.unwrap_model(model), run_dir / "final")
+    accelerator.wait_for_everyone()
+    return last
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop lines a killed run logged after its last checkpoint (they are redone)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class _Progress:
+    """A tqdm bar with step, loss, tokens/s and ETA (ETA from tqdm's own rate)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True,
+                            mininterval=1.0, file=sys.stdout)
+
+    def update(self, metrics: dict) -> None:
+        if self.bar is not None:
+            shown = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+            if "val/loss" in metrics:
+                shown["val"] = f"{metrics['val/loss']:.4f}"
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---- Hydra entry point -----------------------------------------------------------------------
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def _hydra_task(cfg) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+    try:
+        config = validate(cfg)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if int(os.environ.get("RANK", "0")) == 0:
+            (run_dir).mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        metrics = train(config, run_dir)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except TrainingDiverged as exc:
+        print(f"training stopped: {exc}", file=sys.stderr)
+        sys.exit(3)
+    return metrics.get("val/loss", metrics.get("loss"))
+
+
+GROUPS = ("model", "data", "optim", "train", "logging")
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Reject `a.b=v` overrides of keys the schema lacks before Hydra composes (whose own
+    message spans several lines). Keys under a free-form dict (e.g. data.tasks) pass."""
+    from dataclasses import fields, is_dataclass
+    for item in overrides:
+        if "=" not in item or item[0] in "+~-" or item.startswith("hydra"):
+            continue
+        key = item.split("=", 1)[0]
+        parts = key.split(".")
+        if len(parts) == 1:
+            if key not in GROUPS:
+                raise ConfigError(f"{key}: unknown config group; allowed: {list(GROUPS)}")
+            continue
+        node = TrainConfig()
+        for depth, part in enumerate(parts):
+            if not is_dataclass(node):
+                break
+            names = {f.name for f in fields(node)}
+            if part not in names:
+                where = ".".join(parts[:depth]) or "the config"
+                raise ConfigError(f"{key}: unknown key; allowed keys of {where}: {sorted(names)}")
+            node = getattr(node, part)
+
+
+def main() -> None:
+    """Console entry: Hydra main over conf/train.yaml. Processes other than rank 0 of a
+    distributed launch keep Hydra from writing anything (rank 0's directory is broadcast)."""
+    import hydra
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if int(os.environ.get("RANK", "0")) > 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none",
+                     "hydra/hydra_logging=none",
+                     f"hydra.run.dir={os.environ.get('TMPDIR', '/tmp')}/ced-rank"
+                     f"{os.environ['RANK']}-{os.getpid()}"]
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")(_hydra_task)()
+
+
+if __name__ == "__main__":
+    main()

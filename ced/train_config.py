@@ -1,0 +1,179 @@
+"""The training run's configuration schema: one dataclass per Hydra config group.
+
+`conf/train.yaml` composes the groups `model`, `data`, `optim`, `train` and `logging`; the
+composed config is checked against these dataclasses by `validate`, which turns any unknown key
+or invalid value into one `ConfigError` line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .config import ModelConfig
+from .data import DataConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key."""
+
+
+def _require(ok: bool, key: str, message: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}; got {value!r}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: Optional[float] = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", "must be > 0", self.lr)
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0", self.weight_decay)
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"optim.{name}", "must lie in [0, 1)", value)
+        _require(self.eps > 0, "optim.eps", "must be > 0", self.eps)
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", self.warmup_steps)
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]",
+                 self.min_lr_ratio)
+        _require(self.grad_clip is None or self.grad_clip > 0, "optim.grad_clip",
+                 "must be null (no clipping) or > 0", self.grad_clip)
+
+
+@dataclass
+class ReplaySimulation:
+    """Training-time replay simulation (spec section 7). With probability `probability` a
+    sequence gets `starts_per_sequence` replay starts s; `T - s` is exactly `length`
+    (distribution=fixed) or uniform in [min_length, length] (distribution=uniform). With one
+    start, T is the sequence length; with several, each start's T is a uniformly drawn prompt
+    end, so the starts cut the sequence into segments. A query at i is truncated at the latest
+    start s <= i, in decoder windows, and in encoder windows too when `encoder` is true."""
+
+    probability: float = 0.0
+    distribution: str = "fixed"
+    length: int = 32
+    min_length: int = 1
+    starts_per_sequence: int = 1
+    encoder: bool = False
+
+    def __post_init__(self) -> None:
+        key = "train.replay"
+        _require(0 <= self.probability <= 1, f"{key}.probability", "must lie in [0, 1]",
+                 self.probability)
+        _require(self.distribution in ("fixed", "uniform"), f"{key}.distribution",
+                 "must be 'fixed' or 'uniform'", self.distribution)
+        _require(self.length >= 1, f"{key}.length", "must be >= 1", self.length)
+        _require(1 <= self.min_length <= self.length, f"{key}.min_length",
+                 f"must lie in [1, length={self.length}]", self.min_length)
+        _require(self.starts_per_sequence >= 1, f"{key}.starts_per_sequence", "must be >= 1",
+                 self.starts_per_sequence)
+
+
+@dataclass
+class TrainLoopConfig:
+    steps: int = 300
+    batch_size: int = 16            # sequences per optimizer step, over all processes
+    grad_accum: int = 1
+    seq_len: int = 256
+    seed: int = 0
+    device: str = "auto"            # auto | cpu | cuda
+    mixed_precision: str = "no"     # no | bf16 | fp16 (fp16 needs a GPU)
+    eval_every: int = 100
+    eval_batches: int = 2
+    save_every: int = 100
+    keep_last: int = 2
+    resume: str = "never"           # never | auto | a checkpoint directory
+    indexer_kl_weight: float = 1.0
+    indexer_warmup_steps: int = 0   # read every global entry (dense) for this many steps
+    threads: Optional[int] = None   # torch intra-op threads; null keeps torch's default
+    progress: bool = True
+    replay: ReplaySimulation = field(default_factory=ReplaySimulation)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every",
+                     "eval_batches", "save_every", "keep_last"):
+            _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", getattr(self, name))
+        _require(self.batch_size % self.grad_accum == 0, "train.batch_size",
+                 f"must be a multiple of train.grad_accum ({self.grad_accum})", self.batch_size)
+        _require(self.device in ("auto", "cpu", "cuda"), "train.device",
+                 "must be 'auto', 'cpu' or 'cuda'", self.device)
+        _require(self.mixed_precision in ("no", "bf16", "fp16"), "train.mixed_precision",
+                 "must be 'no', 'bf16' or 'fp16'", self.mixed_precision)
+        _require(self.indexer_kl_weight >= 0, "train.indexer_kl_weight", "must be >= 0",
+                 self.indexer_kl_weight)
+        _require(self.indexer_warmup_steps >= 0, "train.indexer_warmup_steps", "must be >= 0",
+                 self.indexer_warmup_steps)
+        _require(self.threads is None or self.threads >= 1, "train.threads",
+                 "must be null or >= 1", self.threads)
+        if isinstance(self.replay, dict):
+            self.replay = ReplaySimulation(**self.replay)
+
+
+@dataclass
+class LoggingConfig:
+    """wandb through accelerate's trackers; `mode` defaults to offline (no key, no network)."""
+
+    wandb: bool = True
+    mode: str = "offline"
+    project: str = "ced"
+    group: Optional[str] = None
+    job_type: str = "train"
+    tags: List[str] = field(default_factory=list)
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ("offline", "online", "disabled"), "logging.mode",
+                 "must be 'offline', 'online' or 'disabled'", self.mode)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _unknown_keys(node: Any, schema: Any, prefix: str) -> None:
+    """Raise for the first key of `node` that the dataclass `schema` does not have."""
+    if not isinstance(node, dict) or not is_dataclass(schema):
+        return
+    allowed = {f.name: f for f in fields(schema)}
+    for key, value in node.items():
+        if key not in allowed:
+            raise ConfigError(f"{prefix}{key}: unknown key; allowed keys of "
+                              f"{prefix.rstrip('.') or 'the config'}: {sorted(allowed)}")
+        sub = allowed[key].default_factory() if callable(allowed[key].default_factory) else None
+        if is_dataclass(sub):
+            _unknown_keys(value, sub, f"{prefix}{key}.")
+
+
+def validate(cfg: DictConfig | dict) -> TrainConfig:
+    """Composed config -> TrainConfig, or a one-line ConfigError naming the bad key."""
+    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    raw = {k: v for k, v in raw.items() if k != "hydra"}
+    _unknown_keys(raw, TrainConfig(), "")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        reason = str(exc).splitlines()[0]
+        raise ConfigError(f"{key}: {reason}") from None
+    except ValueError as exc:
+        message = str(exc).splitlines()[0].replace("ModelConfig.", "model.")
+        raise ConfigError(message) from None
