@@ -216,8 +216,13 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
 
     set_seed(t.seed)
     model = CEDModel(cfg.model)
-    train_source = build_source(cfg.data, "train")
-    val_source = build_source(cfg.data, "validation")
+    try:
+        train_source = build_source(cfg.data, "train")
+        val_source = build_source(cfg.data, "validation")
+        train_source.rows(0, 1, t.seq_len)   # data errors (a task longer than seq_len, a
+        val_source.rows(0, 1, t.seq_len)     # missing file) surface now, as config errors
+    except ValueError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
     if cfg.model.vocab_size < 259:
         raise ConfigError(f"model.vocab_size: the byte tokenizer needs >= 259; got "
                           f"{cfg.model.vocab_size}")
@@ -306,6 +311,7 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
                 f"checkpoint is {saved[-1] if saved else 'none (nothing saved yet)'}")
         elapsed = time.perf_counter() - started
         last = {"step": step + 1, "loss": loss_value, "indexer_kl": kl_value, "lr": lr,
+                "processes": world,
                 "tokens_per_s": per_micro * t.grad_accum * t.seq_len / elapsed}
         if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
             last.update(evaluate(model, val_source, cfg, accelerator))

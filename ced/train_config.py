@@ -168,7 +168,9 @@ def validate(cfg: DictConfig | dict) -> TrainConfig:
     raw = {k: v for k, v in raw.items() if k != "hydra"}
     _unknown_keys(raw, TrainConfig(), "")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
+        schema = OmegaConf.structured(TrainConfig)
+        OmegaConf.set_readonly(schema.model, False)   # ModelConfig is frozen; its node need not be
+        merged = OmegaConf.merge(schema, raw)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "config"

@@ -1,0 +1,108 @@
+"""DataConfig: the schema of the `data` config group (conf/data/*.yaml), and its validation.
+
+Only OmegaConf-compatible annotations here: the dataclass is registered with Hydra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+KINDS = ("synthetic", "stdlib", "hf", "mixture")
+SPLITS = ("train", "validation")
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from. See ced/data/sources.py for the row semantics.
+
+    kind: synthetic | stdlib | hf | mixture
+    tasks (synthetic): task name -> {weight: float > 0, <generator params>}; omitted params take
+      the generator defaults; `family: <family>` lets one family appear under several names
+      (e.g. count: {family: running_state, kind: count}); a null entry disables a task.
+      An empty mapping (the default) means all five families, weight 1, default params.
+      (Hydra merges mappings key by key, so a yaml listing only some tasks gets only those.)
+    name, files, text_field, hf_split (hf): `datasets.load_dataset(name, data_files=files,
+      split=hf_split)[text_field]`; name is a builder (json | parquet | text | csv) with local
+      files, a local dataset path, or a hub name (online only); null name: inferred from the
+      files' extension. Relative files are resolved against the original working directory.
+    validation_fraction (stdlib, hf): fraction of documents (by a stable hash of their identity)
+      in the validation split.
+    mixture (mixture): list of component configs (the keys above) each with a `weight`; a
+      component without `seed` inherits this one.
+    seed: seeds every random choice (example draws, window offsets, mixture picks).
+    """
+
+    kind: str = "synthetic"
+    tasks: Dict[str, Any] = field(default_factory=dict)
+    name: Optional[str] = None
+    files: Optional[List[str]] = None
+    text_field: str = "text"
+    hf_split: str = "train"
+    validation_fraction: float = 0.05
+    mixture: Optional[List[Any]] = None
+    seed: int = 0
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(DataConfig))
+
+
+def as_dict(cfg: Any, key: str = "data") -> dict[str, Any]:
+    """A DataConfig, an OmegaConf node or a plain mapping -> a plain dict of every DataConfig
+    field (missing keys take the defaults). Unknown keys are an error naming `key.<name>`."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        values = dataclasses.asdict(cfg)
+    else:
+        try:
+            from omegaconf import DictConfig, OmegaConf
+            if isinstance(cfg, DictConfig):
+                cfg = OmegaConf.to_container(cfg, resolve=True)
+        except ImportError:                      # pragma: no cover - omegaconf is a dependency
+            pass
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"{key} must be a DataConfig or a mapping of its keys, "
+                             f"got {type(cfg).__name__}")
+        values = dict(cfg)
+    for name in values:
+        if name not in FIELDS:
+            raise ValueError(f"{key}.{name} is not a data config key; allowed: {', '.join(FIELDS)}")
+    return {**dataclasses.asdict(DataConfig()), **values}
+
+
+def plain(value: Any) -> Any:
+    """OmegaConf containers (e.g. a mixture component) -> plain Python containers."""
+    try:
+        from omegaconf import OmegaConf
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:                          # pragma: no cover
+        pass
+    return value
+
+
+def check_int(key: str, value: Any, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_weight(key: str, value: Any) -> float:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def check_str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def check_fraction(key: str, value: Any) -> float:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not 0 <= value < 1):
+        raise ValueError(f"{key} must be a number in [0, 1), got {value!r}")
+    return float(value)
