@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import atomic_directory, commit_directory, save_model
-from .data import build_source
+from .data import answer_accuracy, build_source
 from .model import CEDModel
 from .train_config import ConfigError, ReplaySimulation, TrainConfig, validate
 
@@ -122,45 +122,30 @@ def _broadcast(accelerator, value):
 
 @torch.no_grad()
 def evaluate(model, source, cfg: TrainConfig, accelerator) -> dict[str, float]:
-    """Validation loss, and per-family answer accuracy (token-level and exact match of whole
-    answers, teacher-forced) on the first `eval_batches` validation batches."""
+    """Validation loss, and per-family exact-match accuracy of whole answers (teacher-forced)
+    on the first `eval_batches` validation batches."""
     model.eval()
     t = cfg.train
     total_loss, total_tokens = 0.0, 0
-    per_family: dict[int, list[float]] = {}
+    hits: dict[str, list[float]] = {}
     for i in range(t.eval_batches):
         batch = source.rows(i * t.batch_size, t.batch_size, t.seq_len)
-        ids = batch["input_ids"].to(accelerator.device)
         labels = batch["labels"].to(accelerator.device)
         with accelerator.autocast():
-            logits = model(ids)
+            logits = model(batch["input_ids"].to(accelerator.device))
         total_loss += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                       ignore_index=-100, reduction="sum").item()
         total_tokens += int((labels != -100).sum())
-        correct = (logits.argmax(-1) == labels).cpu()
-        answer, family = batch["answer_mask"], batch["family_ids"]
-        for row in range(ids.shape[0]):
-            spans = _runs(answer[row].tolist())
-            for start, end in spans:
-                fam = int(family[row, start])
-                ok = correct[row, start:end]
-                per_family.setdefault(fam, []).append(float(ok.all()))
+        scores = answer_accuracy(logits.argmax(-1).cpu(), batch, source.families)
+        for family, score in scores.items():
+            done = hits.setdefault(family, [0.0, 0])
+            done[0] += score["exact_match"] * score["examples"]
+            done[1] += score["examples"]
     model.train()
     metrics = {"val/loss": total_loss / max(total_tokens, 1)}
-    for fam, hits in sorted(per_family.items()):
-        metrics[f"val/acc/{source.families[fam]}"] = sum(hits) / len(hits)
+    for family, (correct, examples) in sorted(hits.items()):
+        metrics[f"val/acc/{family}"] = correct / examples
     return metrics
-
-
-def _runs(mask: list[bool]) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, flag in enumerate(mask + [False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
 
 
 # ---- the run -------------------------------------------------------------------------------------
