@@ -1,0 +1,103 @@
+"""Inference modes: the ways a context can be run through the engine, each compared against the
+exact full forward. Shared by the divergence runner, the edge-case suite and the lm-eval adapter,
+so every number in a report comes from the same engine path.
+
+A mode is written as a short string:
+
+    full                          every token through every layer (the exact oracle, on the engine)
+    replay=32 | replay=exact      early-exit prefill with bounded / exact decoder replay
+    turn=8,policy=suffix_only,replay=32[,encoder_replay=64|exact][,prefix_cache=0]
+                                  the context's last 8 tokens are a new turn appended to a
+                                  cached prefix (spec 4.3); a prefix cache (windows evicted,
+                                  spec 4.2) unless prefix_cache=0
+
+`yoco` models accept the same modes; for them any replay is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ced import InferenceEngine
+from ced.inference import POLICIES
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    replay: int | str | None = None
+    turn: int | None = None               # tokens of the context that form a new turn
+    policy: str | None = None
+    encoder_replay: int | str | None = None
+    prefix_cache: bool = True
+
+
+def _replay_value(text: str) -> int | str:
+    return "exact" if text == "exact" else int(text)
+
+
+def parse_mode(text: str) -> Mode:
+    """'replay=32' -> Mode(...); see the module docstring for the grammar."""
+    text = text.strip()
+    if text == "full":
+        return Mode("full")
+    fields = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise ValueError(f"mode {text!r}: expected key=value parts, got {part!r}")
+        key, value = part.split("=", 1)
+        fields[key.strip()] = value.strip()
+    unknown = set(fields) - {"replay", "turn", "policy", "encoder_replay", "prefix_cache"}
+    if unknown:
+        raise ValueError(f"mode {text!r}: unknown key(s) {sorted(unknown)}")
+    replay = _replay_value(fields["replay"]) if "replay" in fields else None
+    if "turn" not in fields:
+        if set(fields) != {"replay"}:
+            raise ValueError(f"mode {text!r}: policy/encoder_replay need turn=<tokens>")
+        return Mode(text, replay=replay)
+    policy = fields.get("policy", "keep_decoder_swa")
+    if policy not in POLICIES:
+        raise ValueError(f"mode {text!r}: policy must be one of {POLICIES}")
+    encoder_replay = (_replay_value(fields["encoder_replay"]) if "encoder_replay" in fields
+                      else None)
+    prefix_cache = fields.get("prefix_cache", "1") not in ("0", "false")
+    if prefix_cache and encoder_replay is None:
+        encoder_replay = "exact"
+    return Mode(text, replay=replay, turn=int(fields["turn"]), policy=policy,
+                encoder_replay=encoder_replay if prefix_cache else None,
+                prefix_cache=prefix_cache)
+
+
+@torch.no_grad()
+def mode_logits(engine: InferenceEngine, context: Tensor, continuation: Tensor | None,
+                mode: Mode) -> Tensor:
+    """Logits [B, G, V] predicting each of the G continuation tokens [B, G]: the first from the
+    context's last position, the others after feeding the continuation teacher-forced through
+    decode steps. With continuation None, [B, 1, V] at the last context position."""
+    if mode.turn is None:
+        out = engine.prefill(context, replay=mode.replay)
+        cache, logits = out.cache, [out.logits]
+    else:
+        if not 1 <= mode.turn < context.shape[1]:
+            raise ValueError(f"mode {mode.name!r}: turn must lie in [1, T-1] for T="
+                             f"{context.shape[1]}")
+        split = context.shape[1] - mode.turn
+        cache = engine.prefill(context[:, :split], replay=mode.replay).cache
+        if mode.prefix_cache:
+            cache = cache.as_prefix_cache(keep_decoder_windows=mode.policy == "keep_decoder_swa")
+        logits = [engine.extend(context[:, split:], cache, policy=mode.policy,
+                                replay=mode.replay, encoder_replay=mode.encoder_replay)]
+    if continuation is not None:
+        for g in range(continuation.shape[1] - 1):
+            logits.append(engine.decode(continuation[:, g], cache))
+    return torch.stack(logits, dim=1)
+
+
+@torch.no_grad()
+def exact_logits(model, context: Tensor, continuation: Tensor | None) -> Tensor:
+    """The reference: the parallel full forward's logits at the same positions as `mode_logits`."""
+    ids = context if continuation is None else torch.cat((context, continuation[:, :-1]), 1)
+    return model(ids)[:, context.shape[1] - 1:]
