@@ -179,6 +179,9 @@ class ForwardContext:
     want_aux: bool = False
     selections: dict[int, Selection] = field(default_factory=dict)
     indexer_kl: list[Tensor] = field(default_factory=list)
+    # When a dict, each layer's output hidden state [B, T, D] is recorded under its index
+    # (evaluation: per-layer divergence of a bounded replay).
+    hidden: dict[int, Tensor] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,6 +566,8 @@ class CEDModel(nn.Module):
             h = h + self.drop(block.attn(x, positions, lower, state.windows[spec.index],
                                          source, ctx))
             h = h + self.drop(block.mlp(block.mlp_norm(h)))
+            if ctx.hidden is not None:
+                ctx.hidden[spec.index] = h
         return h
 
     def feed_decoder_source(self, encoder_out: Tensor, positions: Tensor,

@@ -71,29 +71,47 @@ def parse_mode(text: str) -> Mode:
                 prefix_cache=prefix_cache)
 
 
+def start_mode(engine: InferenceEngine, context: Tensor, mode: Mode):
+    """Run `mode` over the context [B, T]: (logits [B, V] at position T - 1, the cache)."""
+    if mode.turn is None:
+        out = engine.prefill(context, replay=mode.replay)
+        return out.logits, out.cache
+    if not 1 <= mode.turn < context.shape[1]:
+        raise ValueError(f"mode {mode.name!r}: turn must lie in [1, T-1] for T="
+                         f"{context.shape[1]}")
+    split = context.shape[1] - mode.turn
+    cache = engine.prefill(context[:, :split], replay=mode.replay).cache
+    if mode.prefix_cache:
+        cache = cache.as_prefix_cache(keep_decoder_windows=mode.policy == "keep_decoder_swa")
+    logits = engine.extend(context[:, split:], cache, policy=mode.policy, replay=mode.replay,
+                           encoder_replay=mode.encoder_replay)
+    return logits, cache
+
+
 @torch.no_grad()
 def mode_logits(engine: InferenceEngine, context: Tensor, continuation: Tensor | None,
                 mode: Mode) -> Tensor:
     """Logits [B, G, V] predicting each of the G continuation tokens [B, G]: the first from the
     context's last position, the others after feeding the continuation teacher-forced through
     decode steps. With continuation None, [B, 1, V] at the last context position."""
-    if mode.turn is None:
-        out = engine.prefill(context, replay=mode.replay)
-        cache, logits = out.cache, [out.logits]
-    else:
-        if not 1 <= mode.turn < context.shape[1]:
-            raise ValueError(f"mode {mode.name!r}: turn must lie in [1, T-1] for T="
-                             f"{context.shape[1]}")
-        split = context.shape[1] - mode.turn
-        cache = engine.prefill(context[:, :split], replay=mode.replay).cache
-        if mode.prefix_cache:
-            cache = cache.as_prefix_cache(keep_decoder_windows=mode.policy == "keep_decoder_swa")
-        logits = [engine.extend(context[:, split:], cache, policy=mode.policy,
-                                replay=mode.replay, encoder_replay=mode.encoder_replay)]
+    first, cache = start_mode(engine, context, mode)
+    logits = [first]
     if continuation is not None:
         for g in range(continuation.shape[1] - 1):
             logits.append(engine.decode(continuation[:, g], cache))
     return torch.stack(logits, dim=1)
+
+
+@torch.no_grad()
+def mode_generate(engine: InferenceEngine, context: Tensor, steps: int, mode: Mode) -> Tensor:
+    """Greedy continuation LongTensor[B, steps] under `mode`."""
+    logits, cache = start_mode(engine, context, mode)
+    tokens = []
+    for step in range(steps):
+        tokens.append(logits.argmax(-1))
+        if step + 1 < steps:
+            logits = engine.decode(tokens[-1], cache)
+    return torch.stack(tokens, dim=1)
 
 
 @torch.no_grad()

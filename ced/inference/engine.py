@@ -90,6 +90,9 @@ class PrefillOutput:
     logits: Tensor          # [B, V] at the last prompt position
     cache: Cache
     replay: int             # decoder positions run (T when there is no early exit)
+    # With record_hidden: each layer's output [B, n, D] over the positions that layer ran
+    # (all T for encoder layers, the last `replay` for decoder layers).
+    hidden: dict[int, Tensor] | None = None
 
 
 class InferenceEngine:
@@ -159,7 +162,8 @@ class InferenceEngine:
 
     @torch.no_grad()
     def _advance(self, cache: Cache, new_ids: Tensor, encoder_from: int, decoder_from: int,
-                 stored_hidden: Tensor | None = None) -> Tensor:
+                 stored_hidden: Tensor | None = None,
+                 record_hidden: dict[int, Tensor] | None = None) -> Tensor:
         """Append new_ids [B, m] to the sequence: the encoder runs positions
         [encoder_from, L + m) (cached tokens before L are an encoder replay), the decoder runs
         [decoder_from, L + m). stored_hidden [B, n, D], if given, is H_{L_e} of the decoder's
@@ -168,7 +172,7 @@ class InferenceEngine:
         model = self.model
         tokens = torch.cat((cache.tokens, new_ids.to(cache.tokens.device)), dim=1)
         end = tokens.shape[1]
-        ctx = ForwardContext(keep_windows=True)
+        ctx = ForwardContext(keep_windows=True, hidden=record_hidden)
         positions = torch.arange(encoder_from, end, device=tokens.device)
         h = model.run_layers("encoder", model.embed(tokens[:, encoder_from:]), positions,
                              cache.state, ctx)
@@ -207,20 +211,23 @@ class InferenceEngine:
         return Cache(self.model.empty_state(batch, keep_windows=True), tokens, None,
                      self.decoder_layers)
 
-    def prefill(self, input_ids: Tensor, replay: Replay = None) -> PrefillOutput:
+    def prefill(self, input_ids: Tensor, replay: Replay = None,
+                record_hidden: bool = False) -> PrefillOutput:
         """Prefill a batch of prompts [B, T].
 
         replay=None: every token through every layer (the oracle); an int N: early exit, the
         encoder runs all T tokens and the decoder only the last N (windows truncated at T - N);
-        'exact': N = R_exact. Returns logits [B, V] at position T - 1 and the cache.
+        'exact': N = R_exact. Returns logits [B, V] at position T - 1 and the cache (and, with
+        record_hidden, every layer's output hidden states).
         """
         self._check_ready()
         self._check_ids(input_ids, "input_ids")
         n_prompt = input_ids.shape[1]
         n_replay = self.resolve_replay(replay, n_prompt)
         cache = self.new_cache(input_ids.shape[0])
-        logits = self._advance(cache, input_ids, 0, n_prompt - n_replay)
-        return PrefillOutput(logits, cache, n_replay)
+        hidden = {} if record_hidden else None
+        logits = self._advance(cache, input_ids, 0, n_prompt - n_replay, record_hidden=hidden)
+        return PrefillOutput(logits, cache, n_replay, hidden)
 
     def decode(self, next_ids: Tensor, cache: Cache) -> Tensor:
         """One token per row, next_ids LongTensor[B], through every layer; returns [B, V]."""

@@ -1,0 +1,365 @@
+"""How far each inference mode drifts from the exact model: `python -m evals.divergence`.
+
+For every checkpoint, prompt length T and inference mode (bounded replay N for each configured
+N, exact replay, YOCO's early exit, every multi-turn policy of spec 4.3, encoder bounded replay
+at a prefix-cache hit, spec 4.2) it compares the engine's logits with the exact full forward:
+
+- per step g of a teacher-forced continuation (g = 0 is the first generated position): KL(exact ||
+  mode), total variation, top-1 agreement, and the change in log-probability of the reference
+  next token;
+- under greedy generation: tokens until the mode's output first differs from the exact model's;
+- for plain bounded replay: per decoder layer, the relative L2 error of the rebuilt window K/V and
+  of the hidden states, by position inside the replay segment.
+
+Outputs in the run directory: `divergence.csv` and `.parquet` (tidy: one row per checkpoint,
+T, prompt, mode, metric, step / layer / offset), `summary.json` (mean and bootstrap 95% CI over
+prompts), PNG plots, and the same tables and plots in wandb (offline by default).
+
+    python -m evals.divergence 'checkpoints=[outputs/train/<run>/final]' 'replays=[1,8,32]'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+
+from ced import InferenceEngine, exact_encoder_replay_length, exact_replay_length
+from ced.checkpoint import load_model
+from ced.data import build_source
+
+from .modes import Mode, exact_logits, mode_generate, mode_logits, parse_mode
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@dataclass
+class PromptConfig:
+    data: Any = "stdlib"       # a conf/data name, or a DataConfig mapping
+    split: str = "validation"
+    count: int = 16
+    start_row: int = 0
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    mode: str = "offline"
+    project: str = "ced"
+    group: Optional[str] = "divergence"
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class DivergenceConfig:
+    checkpoints: List[str] = field(default_factory=list)
+    replays: List[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    lengths: List[int] = field(default_factory=lambda: [256])
+    steps: int = 8                   # teacher-forced continuation steps G
+    greedy_steps: int = 16
+    policies: List[str] = field(default_factory=lambda: [
+        "keep_decoder_swa", "suffix_only", "cached_hidden", "encoder_replay"])
+    turn_tokens: int = 4             # m: tokens of the new turn in multi-turn modes
+    turn_replay: Optional[int] = None  # N for multi-turn modes (null: the model's window)
+    encoder_replays: List[Any] = field(default_factory=lambda: [8, 32, "exact"])
+    layer_errors: bool = True
+    bootstrap: int = 1000
+    dtype: str = "float64"           # float64 makes exact modes exactly comparable
+    batch_size: int = 16
+    seed: int = 0
+    out_dir: Optional[str] = None    # default: the Hydra run directory
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+# ---- modes per model -------------------------------------------------------------------------
+
+def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
+    """(mode, N) pairs to compare for a model; N is the decoder replay length the mode uses."""
+    if not cfg.has_decoder:
+        return []
+    exact = exact_replay_length(cfg)
+    modes = [(parse_mode(f"replay={n}"), n) for n in sorted(set(c.replays))]
+    modes.append((parse_mode("replay=exact"), exact))
+    if cfg.variant == "yoco":
+        modes.append((Mode("yoco_early_exit", replay=1), 1))
+    turn_n = c.turn_replay or cfg.window
+    for policy in c.policies:
+        # Prefix-cache policies replay the encoder exactly (isolating the decoder policy),
+        # except encoder_replay, whose point is to take H_{L_e} from a bounded encoder replay
+        # over the N positions the decoder needs.
+        text = f"turn={c.turn_tokens},policy={policy},replay={turn_n}"
+        if policy == "encoder_replay":
+            text += f",encoder_replay={turn_n}"
+        modes.append((parse_mode(text), turn_n))
+    for n_e in c.encoder_replays:
+        value = exact_encoder_replay_length(cfg) if n_e == "exact" else int(n_e)
+        # cached_hidden with exact decoder replay isolates the encoder's approximation.
+        modes.append((parse_mode(f"turn={c.turn_tokens},policy=cached_hidden,replay=exact,"
+                                 f"encoder_replay={value}"), exact))
+    return modes
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+def distribution_metrics(exact: torch.Tensor, approx: torch.Tensor,
+                         reference: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """exact, approx: logits [B, G, V]; reference: next tokens [B, G] -> metrics [B, G]."""
+    lp_e = torch.log_softmax(exact.double(), -1)
+    lp_a = torch.log_softmax(approx.double(), -1)
+    p_e, p_a = lp_e.exp(), lp_a.exp()
+    out = {"kl": (p_e * (lp_e - lp_a)).sum(-1).clamp_min(0.0),
+           "tv": 0.5 * (p_e - p_a).abs().sum(-1),
+           "top1_agree": (exact.argmax(-1) == approx.argmax(-1)).double()}
+    if reference is not None:
+        out["delta_logp"] = (lp_a.gather(-1, reference[..., None])
+                             - lp_e.gather(-1, reference[..., None]))[..., 0]
+    return out
+
+
+def first_disagreement(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Index of the first differing token per row of two [B, S] generations (S if none)."""
+    differ = a != b
+    steps = torch.full((a.shape[0],), a.shape[1], dtype=torch.long)
+    any_diff = differ.any(1)
+    steps[any_diff] = differ.float().argmax(1)[any_diff]
+    return steps
+
+
+def relative_l2(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """||a - e|| / ||e|| over the last dimension."""
+    return (approx - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-30)
+
+
+def layer_errors(engine: InferenceEngine, context: torch.Tensor, n_replay: int) -> list[dict]:
+    """Per decoder layer and replay-segment offset: relative L2 error of hidden states and of
+    the window K/V (K and V concatenated, over heads) against full prefill. Averaged over the
+    batch; one dict per (layer, offset, kind)."""
+    full = engine.prefill(context, record_hidden=True)
+    approx = engine.prefill(context, replay=n_replay, record_hidden=True)
+    t = context.shape[1]
+    start = t - approx.replay
+    rows = []
+    for depth, layer in enumerate(sorted(engine.decoder_layers)):
+        h_err = relative_l2(approx.hidden[layer], full.hidden[layer][:, start:])   # [B, N]
+        for offset in range(h_err.shape[1]):
+            rows.append({"layer": depth, "offset": offset, "metric": "hidden_rel_l2",
+                         "value": float(h_err[:, offset].mean())})
+        w_a, w_e = approx.cache.state.windows[layer], full.cache.state.windows[layer]
+        if w_a is None:
+            continue
+        kv_a = torch.cat((w_a.k, w_a.v), -1).transpose(1, 2).flatten(2)            # [B, S, 2HDh]
+        kv_e = torch.cat((w_e.k, w_e.v), -1).transpose(1, 2).flatten(2)
+        index = {int(p): i for i, p in enumerate(w_e.positions)}
+        for i, position in enumerate(w_a.positions.tolist()):
+            err = relative_l2(kv_a[:, i], kv_e[:, index[position]])
+            rows.append({"layer": depth, "offset": position - start, "metric": "kv_rel_l2",
+                         "value": float(err.mean())})
+    return rows
+
+
+def bootstrap_ci(values: np.ndarray, resamples: int, rng: np.random.Generator):
+    """Mean and percentile-bootstrap 95% interval over the first axis."""
+    mean = float(values.mean())
+    if len(values) < 2 or resamples < 1:
+        return mean, mean, mean
+    picks = rng.integers(0, len(values), size=(resamples, len(values)))
+    means = values[picks].mean(axis=1)
+    return mean, float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+def load_prompts(c: DivergenceConfig, length: int) -> torch.Tensor:
+    """LongTensor [count, length + steps]: contexts plus their true continuations."""
+    data = c.prompts.data
+    if isinstance(data, str):
+        from omegaconf import OmegaConf
+        data = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "data" / f"{data}.yaml"))
+    source = build_source(data, c.prompts.split)
+    rows = source.rows(c.prompts.start_row, c.prompts.count, length + c.steps)
+    return rows["input_ids"]
+
+
+def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
+    """Compute every row of the tidy table (and write the outputs); returns the rows."""
+    if not c.checkpoints:
+        raise ValueError("checkpoints: give at least one trained model directory (its final/)")
+    dtype = {"float64": torch.float64, "float32": torch.float32}[c.dtype]
+    rows: list[dict] = []
+    for checkpoint in c.checkpoints:
+        model = load_model(checkpoint).to(dtype)
+        cfg = model.cfg
+        engine = InferenceEngine(model)
+        base = {"checkpoint": str(checkpoint), "variant": cfg.variant, "window": cfg.window,
+                "n_decoder_layers": cfg.n_decoder_layers, "r_exact":
+                exact_replay_length(cfg) if cfg.has_decoder else None}
+        modes = modes_for(cfg, c)
+        if not modes:
+            print(f"[divergence] {checkpoint}: variant {cfg.variant!r} has no early exit; "
+                  "nothing to compare", flush=True)
+            continue
+        for length in c.lengths:
+            if length + c.steps > cfg.max_seq_len:
+                raise ValueError(f"lengths: {length} + steps {c.steps} exceeds the model's "
+                                 f"max_seq_len {cfg.max_seq_len}")
+            prompts = load_prompts(c, length)
+            for b0 in range(0, len(prompts), c.batch_size):
+                batch = prompts[b0:b0 + c.batch_size]
+                context, continuation = batch[:, :length], batch[:, length:]
+                exact = exact_logits(model, context, continuation)
+                exact_greedy = mode_generate(engine, context, c.greedy_steps, Mode("full"))
+                for mode, n_replay in modes:
+                    print(f"[divergence] {Path(checkpoint).name} T={length} prompts "
+                          f"{b0}-{b0 + len(batch) - 1} mode {mode.name}", flush=True)
+                    approx = mode_logits(engine, context, continuation, mode)
+                    metrics = distribution_metrics(exact, approx, continuation)
+                    greedy = first_disagreement(
+                        exact_greedy, mode_generate(engine, context, c.greedy_steps, mode))
+                    for i in range(len(batch)):
+                        common = {**base, "T": length, "prompt": b0 + i, "mode": mode.name,
+                                  "N": n_replay}
+                        for name, values in metrics.items():
+                            for step in range(values.shape[1]):
+                                rows.append({**common, "metric": name, "step": step,
+                                             "value": float(values[i, step])})
+                        rows.append({**common, "metric": "greedy_agree_tokens", "step": 0,
+                                     "value": float(greedy[i])})
+                    if c.layer_errors and mode.turn is None and mode.replay != "exact":
+                        for row in layer_errors(engine, context, n_replay):
+                            rows.append({**base, "T": length, "prompt": -1, "mode": mode.name,
+                                         "N": n_replay, "step": 0, **row})
+    write_outputs(c, rows, out_dir)
+    return rows
+
+
+def summarise(rows: list[dict], resamples: int, seed: int) -> list[dict]:
+    """Mean and bootstrap CI over prompts per (checkpoint, T, mode, metric, step)."""
+    rng = np.random.default_rng(seed)
+    groups: dict[tuple, list[float]] = {}
+    meta: dict[tuple, dict] = {}
+    for row in rows:
+        if row["prompt"] < 0:
+            continue
+        key = (row["checkpoint"], row["T"], row["mode"], row["metric"], row["step"])
+        groups.setdefault(key, []).append(row["value"])
+        meta[key] = {k: row[k] for k in ("checkpoint", "variant", "window", "n_decoder_layers",
+                                         "r_exact", "T", "mode", "N", "metric", "step")}
+    summary = []
+    for key, values in groups.items():
+        mean, low, high = bootstrap_ci(np.asarray(values), resamples, rng)
+        summary.append({**meta[key], "mean": mean, "ci_low": low, "ci_high": high,
+                        "n": len(values)})
+    return summary
+
+
+def write_outputs(c: DivergenceConfig, rows: list[dict], out_dir: Path) -> None:
+    import pandas as pd
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(out_dir / "divergence.csv", index=False)
+    table.astype({"N": "int64"}).to_parquet(out_dir / "divergence.parquet", index=False)
+    summary = summarise(rows, c.bootstrap, c.seed)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plots = plot(table, summary, out_dir)
+    if c.wandb.enabled:
+        import wandb
+        run = wandb.init(project=c.wandb.project, group=c.wandb.group, job_type="divergence",
+                         tags=list(c.wandb.tags), mode=c.wandb.mode, dir=str(out_dir),
+                         config={"replays": list(c.replays), "lengths": list(c.lengths)})
+        run.log({"summary": wandb.Table(dataframe=pd.DataFrame(summary)),
+                 **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}})
+        run.finish()
+    print(f"[divergence] wrote {out_dir}/divergence.csv, summary.json and {len(plots)} plots",
+          flush=True)
+
+
+def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
+    """KL and top-1 agreement at the first generated position against N (one line per
+    checkpoint and T), and per-layer error by offset inside the replay segment."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    replay_modes = [s for s in summary if s["mode"].startswith("replay=") and s["step"] == 0]
+    for metric, label in (("kl", "KL(exact || replay) at the first generated token"),
+                          ("top1_agree", "top-1 agreement with the exact model")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        keys = sorted({(s["checkpoint"], s["T"]) for s in replay_modes})
+        for checkpoint, length in keys:
+            points = sorted((s["N"], s["mean"], s["ci_low"], s["ci_high"]) for s in replay_modes
+                            if s["metric"] == metric and s["checkpoint"] == checkpoint
+                            and s["T"] == length)
+            if not points:
+                continue
+            n, mean, low, high = map(np.asarray, zip(*points))
+            name = f"{Path(checkpoint).parent.name or checkpoint} T={length}"
+            ax.errorbar(n, mean, yerr=[mean - low, high - mean], marker="o", capsize=3,
+                        label=name)
+            r_exact = next(s["r_exact"] for s in replay_modes if s["checkpoint"] == checkpoint)
+            ax.axvline(r_exact, linestyle=":", color="grey")
+        ax.set_xscale("log", base=2)
+        if metric == "kl":
+            ax.set_yscale("symlog", linthresh=1e-8)
+        ax.set_xlabel("decoder replay N (dotted: R_exact)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{metric}_vs_replay.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    layer_rows = table[table["metric"] == "hidden_rel_l2"] if "metric" in table else table
+    if len(layer_rows):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        smallest = layer_rows[layer_rows["N"] == layer_rows["N"].min()]
+        for layer, part in smallest.groupby("layer"):
+            curve = part.groupby("offset")["value"].mean()
+            ax.plot(curve.index, curve.values, label=f"decoder layer {layer}")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"offset inside the replay segment (N={int(smallest['N'].iloc[0])})")
+        ax.set_ylabel("relative L2 error of hidden states")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / "hidden_error_by_offset.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---- entry point ---------------------------------------------------------------------------------
+
+def _hydra_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+    try:
+        schema = OmegaConf.structured(DivergenceConfig)
+        config: DivergenceConfig = OmegaConf.to_object(OmegaConf.merge(
+            schema, {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}))
+    except Exception as exc:  # omegaconf's messages name the key; keep the first line
+        print(f"config error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    out_dir = Path(config.out_dir or HydraConfig.get().runtime.output_dir)
+    try:
+        run(config, out_dir)
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    import hydra
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="divergence")(_hydra_task)()
+
+
+if __name__ == "__main__":
+    main()

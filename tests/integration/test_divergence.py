@@ -1,0 +1,68 @@
+"""The divergence runner on a tiny checkpoint trained inside the test: exact modes report
+KL <= 1e-6, bounded replay with N < R_exact on prompts longer than R_exact clearly more, and the
+run writes its table, summary and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "WANDB_SILENT": "true"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny ced model trained for a few steps on the stdlib corpus (R_exact = 2*7+1 = 15)."""
+    run = tmp_path_factory.mktemp("ckpt")
+    done = subprocess.run(
+        [sys.executable, "-m", "ced.train", "model=ced", "model.d_model=32", "model.n_heads=2",
+         "model.n_encoder_layers=2", "model.n_decoder_layers=2", "model.window=8",
+         "model.topk=8", "model.global_from_layer=1", "model.encoder_kv_groups=1",
+         "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=4", "train.steps=15",
+         "train.eval_every=15", "train.threads=1", "train.progress=false", "logging=none",
+         "data=stdlib", f"hydra.run.dir={run}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run / "final"
+
+
+def test_divergence_run_separates_exact_from_bounded_modes(checkpoint, tmp_path):
+    out = tmp_path / "div"
+    done = subprocess.run(
+        [sys.executable, "-m", "evals.divergence", f"checkpoints=[{checkpoint}]",
+         "replays=[1,4]", "lengths=[48]", "steps=3", "greedy_steps=4", "prompts.count=4",
+         "turn_tokens=3", "encoder_replays=[4,exact]", "bootstrap=100", "wandb.mode=offline",
+         f"hydra.run.dir={out}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("divergence.csv", "divergence.parquet", "summary.json", "kl_vs_replay.png",
+                 "top1_agree_vs_replay.png", "hidden_error_by_offset.png"):
+        assert (out / name).exists(), name
+    assert list((out / "wandb").glob("offline-run-*"))
+
+    summary = json.loads((out / "summary.json").read_text())
+    kl = {s["mode"]: s["mean"] for s in summary if s["metric"] == "kl" and s["step"] == 0}
+    exact_modes = ["replay=exact", "turn=3,policy=cached_hidden,replay=exact,encoder_replay=15"]
+    bounded = ["replay=1", "replay=4", "turn=3,policy=suffix_only,replay=8",
+               "turn=3,policy=cached_hidden,replay=exact,encoder_replay=4"]
+    for mode in exact_modes:
+        assert kl[mode] <= 1e-6, (mode, kl[mode])
+    for mode in bounded:
+        assert kl[mode] > 1e-6, (mode, kl[mode])
+
+    table = pd.read_parquet(out / "divergence.parquet")
+    assert {"checkpoint", "T", "prompt", "mode", "N", "metric", "step", "value"} <= set(table)
+    assert set(table["metric"]) >= {"kl", "tv", "top1_agree", "delta_logp",
+                                    "greedy_agree_tokens", "hidden_rel_l2", "kv_rel_l2"}
+    layers = table[(table["metric"] == "hidden_rel_l2") & (table["mode"] == "replay=4")]
+    assert sorted(layers["offset"].unique()) == [0, 1, 2, 3]
+    # the first decoder layer at the replay start has lost the most context: nonzero error
+    assert layers[layers["offset"] == 0]["value"].max() > 1e-6
