@@ -306,7 +306,8 @@ def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
             ax.axvline(r_exact, linestyle=":", color="grey")
         ax.set_xscale("log", base=2)
         if metric == "kl":
-            ax.set_yscale("symlog", linthresh=1e-8)
+            ax.set_yscale("symlog", linthresh=1e-10)
+            ax.set_ylim(bottom=0)
         ax.set_xlabel("decoder replay N (dotted: R_exact)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -316,20 +317,25 @@ def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
-    layer_rows = table[table["metric"] == "hidden_rel_l2"] if "metric" in table else table
+    layer_rows = table[table["metric"].isin(["hidden_rel_l2", "kv_rel_l2"])]
     if len(layer_rows):
+        # The longest bounded replay shows the most offsets.
+        longest = layer_rows[layer_rows["N"] == layer_rows["N"].max()]
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        smallest = layer_rows[layer_rows["N"] == layer_rows["N"].min()]
-        for layer, part in smallest.groupby("layer"):
+        for (metric, layer), part in longest.groupby(["metric", "layer"]):
             curve = part.groupby("offset")["value"].mean()
-            ax.plot(curve.index, curve.values, label=f"decoder layer {layer}")
+            style = "-" if metric == "hidden_rel_l2" else "--"
+            what = "hidden state" if metric == "hidden_rel_l2" else "window K/V"
+            ax.plot(curve.index, curve.values, style, marker=".",
+                    label=f"decoder layer {int(layer)}: {what}")
         ax.set_yscale("log")
-        ax.set_xlabel(f"offset inside the replay segment (N={int(smallest['N'].iloc[0])})")
-        ax.set_ylabel("relative L2 error of hidden states")
+        ax.set_xlabel(f"offset inside the replay segment (N={int(longest['N'].iloc[0])}; "
+                      "0 = replay start)")
+        ax.set_ylabel("relative L2 error vs the exact model")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / "hidden_error_by_offset.png"
+        path = out_dir / "layer_error_by_offset.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)

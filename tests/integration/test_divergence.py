@@ -44,7 +44,7 @@ def test_divergence_run_separates_exact_from_bounded_modes(checkpoint, tmp_path)
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("divergence.csv", "divergence.parquet", "summary.json", "kl_vs_replay.png",
-                 "top1_agree_vs_replay.png", "hidden_error_by_offset.png"):
+                 "top1_agree_vs_replay.png", "layer_error_by_offset.png"):
         assert (out / name).exists(), name
     assert list((out / "wandb").glob("offline-run-*"))
 
