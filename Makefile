@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup test test-slow bench-core clean
+.PHONY: setup test test-slow bench-core bench-train clean
 
 # Re-created whenever pyproject.toml changes, so a fresh clone needs no manual install step.
 $(VENV)/.installed: pyproject.toml
@@ -25,6 +25,9 @@ test-slow: $(VENV)/.installed
 
 bench-core: $(VENV)/.installed
 	$(PY) benchmarks/core.py
+
+bench-train: $(VENV)/.installed
+	$(PY) benchmarks/train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
