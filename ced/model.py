@@ -379,10 +379,8 @@ class Attention(nn.Module):
         self.cfg, self.spec = cfg, spec
         d = cfg.d_model
         self.has_window = spec.window is not None or spec.full_causal
-        self.q = nn.Linear(d, d, bias=False)
-        if self.has_window:
-            self.k = nn.Linear(d, d, bias=False)
-            self.v = nn.Linear(d, d, bias=False)
+        # Query, and window key/value when the layer has window keys, in one matmul.
+        self.qkv = nn.Linear(d, 3 * d if self.has_window else d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
         self.sink = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sink else None
         self.indexer = (IndexerQuery(cfg) if cfg.topk is not None
@@ -416,11 +414,12 @@ class Attention(nn.Module):
                 window: WindowKV | None, source: SourceKV | None, ctx: ForwardContext) -> Tensor:
         """x [B, T, D] (normalised) at contiguous positions [T] -> [B, T, D]."""
         cfg, spec = self.cfg, self.spec
-        q = rotary(self._split(self.q(x)), positions, cfg.rope_theta)
+        projected = self.qkv(x).split(cfg.d_model, dim=-1)
+        q = rotary(self._split(projected[0]), positions, cfg.rope_theta)
         keys = None
         if self.has_window:
-            k = rotary(self._split(self.k(x)), positions, cfg.rope_theta)
-            v = self._split(self.v(x))
+            k = rotary(self._split(projected[1]), positions, cfg.rope_theta)
+            v = self._split(projected[2])
             if window is not None:
                 keys = WindowKV(torch.cat((window.k, k), 2), torch.cat((window.v, v), 2),
                                 torch.cat((window.positions, positions)))
@@ -480,12 +479,12 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
-        self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ff_dim, bias=False)   # one matmul
         self.down = nn.Linear(cfg.ff_dim, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
