@@ -1,0 +1,31 @@
+"""`python -m evals.lmeval <lm_eval arguments>`: lm_eval's CLI with `--model ced` registered.
+
+    python -m evals.lmeval --model ced --model_args checkpoint=/path/final,replay=8 \
+        --include_path /tmp/ced_tasks --tasks ced_recall ced_needle
+    python -m evals.lmeval write-tasks --checkpoint /path/final --replay 8 --out /tmp/ced_tasks
+
+lm_eval 0.4.13 finds models only in its registry (no entry-point/plugin discovery), and its
+CLI resolves `--model` before it loads task code, so the bare `lm_eval` command cannot see a
+model that nothing imported. This wrapper imports the registration and hands over.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["write-tasks"]:           # python -m evals.lmeval write-tasks ...
+        from evals.lmeval.tasks import main as write_tasks_main
+        sys.exit(write_tasks_main(sys.argv[2:]))
+    import evals.lmeval  # noqa: F401  registers --model ced
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv[0] = "lm-eval"
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

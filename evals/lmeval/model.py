@@ -1,0 +1,246 @@
+"""lm-evaluation-harness model `ced`: a CED checkpoint scored on the inference-engine path.
+
+    lm_eval --model ced --model_args checkpoint=/path/final,replay=32 ...      (see __main__)
+    model_args: checkpoint (required), replay (int | exact | none; default none = `full`),
+                turn + policy (+ encoder_replay, prefix_cache): a multi-turn mode, the context's
+                last `turn` tokens being a new turn on a cached prefix (spec 4.3),
+                mode (instead of the above: an evals.modes string, ';' for ','),
+                topk (int | all: override the checkpoint's top-k), dtype (float32 | float64),
+                batch_size, max_gen_toks (default 256); the device comes from lm_eval's
+                --device (cuda:0 by default there: falls back to cpu when CUDA is absent)
+
+Every request runs through `evals.modes.mode_logits` / `InferenceEngine`: prefill of the context
+with the configured replay (or prefix cache + `extend` for a turn mode), then the continuation
+teacher-forced through decode steps; never one full forward. Tokens are `ced.data.ByteTokenizer`
+bytes, and every context gets BOS prepended ([BOS] + context bytes, as in `ced.data`).
+
+  loglikelihood          sum of log p(continuation bytes) and whether every byte is the argmax
+                         (lm-eval's `acc` on a loglikelihood task is then teacher-forced exact
+                         match, the suite runner's score)
+  loglikelihood_rolling  lm-eval's rolling windows of max_seq_len over [BOS] + text; each window
+                         prefilled with the replay (a turn mode's turn/policy are not applied:
+                         the first window's context is BOS alone)
+  generate_until         greedy under the mode (`evals.modes.mode_generate`: one prefill or
+                         turn, then decode steps); cut at EOS, at an `until` string, or
+                         after max_gen_toks
+
+Contexts longer than max_seq_len (minus the continuation / max_gen_toks) keep BOS and their
+last tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import lm_eval.models  # noqa: F401  (registers the built-in models before ours: see get_model)
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from ced.data import ByteTokenizer
+from evals.modes import Mode, mode_generate, mode_logits, parse_mode
+
+log = logging.getLogger(__name__)
+_TOK = ByteTokenizer()
+
+
+def build_mode(replay=None, turn=None, policy=None, encoder_replay=None, prefix_cache=None,
+               mode=None) -> str:
+    """The evals.modes string for lm-eval model_args."""
+    if mode is not None:
+        if any(v is not None for v in (replay, turn, policy, encoder_replay, prefix_cache)):
+            raise ValueError("model_args: give either mode=... or replay/turn/policy, not both")
+        return str(mode).replace(";", ",")
+
+    def none(v) -> bool:
+        return v is None or str(v).lower() in ("", "none", "null", "full")
+
+    replay_part = None if none(replay) else f"replay={replay}"
+    if none(turn):
+        if not (none(policy) and none(encoder_replay) and prefix_cache is None):
+            raise ValueError("model_args: policy/encoder_replay/prefix_cache need turn=<tokens>")
+        return replay_part or "full"
+    parts = [f"turn={int(turn)}", f"policy={policy or 'keep_decoder_swa'}"]
+    if replay_part:
+        parts.append(replay_part)
+    if not none(encoder_replay):
+        parts.append(f"encoder_replay={encoder_replay}")
+    if prefix_cache is not None:
+        parts.append(f"prefix_cache={int(str(prefix_cache).lower() not in ('0', 'false'))}")
+    return ",".join(parts)
+
+
+@register_model("ced")
+class CEDLM(LM):
+    def __init__(self, checkpoint: str | None = None, replay=None, turn=None, policy=None,
+                 encoder_replay=None, prefix_cache=None, mode: str | None = None, topk=None,
+                 dtype: str = "float32", device: str | None = "cpu", batch_size=16,
+                 max_batch_size=None, max_gen_toks: int = 256, model=None, **unused) -> None:
+        super().__init__()
+        from evals.suites.runner import load_checkpoint, make_engine
+
+        if unused:
+            log.warning("ced: ignoring model_args %s", sorted(unused))
+        device = str(device or "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            # lm_eval's CLI passes --device cuda:0 unless told otherwise
+            log.warning("ced: device %s is not available; using cpu", device)
+            device = "cpu"
+        if model is None:
+            if checkpoint is None:
+                raise ValueError("ced: model_args needs checkpoint=<directory of save_model>")
+            model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device)
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.mode_name = build_mode(replay, turn, policy, encoder_replay, prefix_cache, mode)
+        self.mode: Mode = parse_mode(self.mode_name)
+        if self.mode.replay is not None and not self.cfg.has_decoder:
+            raise ValueError(f"ced: replay needs a decoder; variant {self.cfg.variant!r} has none")
+        # rolling windows start from a lone BOS: no turn to split off
+        self.rolling_mode = parse_mode("full" if self.mode.replay is None
+                                       else f"replay={self.mode.replay}")
+        replays = [int(self.mode.replay)] if isinstance(self.mode.replay, int) else []
+        self.engine = make_engine(model, replays)
+        self.batch_size = _batch_size(batch_size)
+        self.max_gen_toks = int(max_gen_toks)
+        self.checkpoint = checkpoint
+        self._device = next(model.parameters()).device
+
+    # ---- lm-eval plumbing --------------------------------------------------------------------
+    @property
+    def max_length(self) -> int:
+        return self.cfg.max_seq_len
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "ced-byte"
+
+    @property
+    def eot_token_id(self) -> int:
+        return _TOK.eos
+
+    def get_model_info(self) -> dict:
+        return {"ced_checkpoint": str(self.checkpoint), "ced_mode": self.mode_name,
+                "ced_variant": self.cfg.variant, "ced_topk": self.cfg.topk}
+
+    # ---- scoring -----------------------------------------------------------------------------
+    def _truncate(self, ctx: list[int], room: int) -> list[int]:
+        """Keep BOS and the last tokens so that len(ctx) <= room."""
+        if room < 1:
+            raise ValueError(f"ced: the continuation does not fit in max_seq_len="
+                             f"{self.cfg.max_seq_len}")
+        if len(ctx) <= room:
+            return ctx
+        if ctx and ctx[0] == _TOK.bos and room > 1:
+            return [_TOK.bos] + ctx[len(ctx) - room + 1:]
+        return ctx[len(ctx) - room:]
+
+    @torch.no_grad()
+    def score(self, pairs: list[tuple[list[int], list[int]]], mode: Mode | None = None
+              ) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), all-greedy) for token-id pairs, batched by equal
+        lengths, through `mode_logits` (the engine path)."""
+        mode = mode or self.mode
+        out: list[tuple[float, bool] | None] = [None] * len(pairs)
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        prepared = []
+        for i, (ctx, cont) in enumerate(pairs):
+            if not cont:
+                out[i] = (0.0, True)
+                prepared.append(None)
+                continue
+            ctx = self._truncate(list(ctx), self.cfg.max_seq_len - len(cont) + 1)
+            prepared.append((ctx, list(cont)))
+            groups[(len(ctx), len(cont))].append(i)
+        for key in sorted(groups):
+            idx = groups[key]
+            for s in range(0, len(idx), self.batch_size):
+                chunk = idx[s:s + self.batch_size]
+                ctx = torch.tensor([prepared[i][0] for i in chunk], device=self._device)
+                cont = torch.tensor([prepared[i][1] for i in chunk], device=self._device)
+                logits = mode_logits(self.engine, ctx, cont, mode).double()
+                logp = torch.log_softmax(logits, -1).gather(-1, cont[..., None])[..., 0]
+                greedy = logits.argmax(-1).eq(cont).all(-1)
+                for j, i in enumerate(chunk):
+                    out[i] = (float(logp[j].sum()), bool(greedy[j]))
+        return out  # type: ignore[return-value]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [([_TOK.bos] + _TOK.encode(ctx), _TOK.encode(cont))
+                 for ctx, cont in (r.args for r in requests)]
+        results = self.score(pairs)
+        for r, res in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", r.args, res)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        pairs, owner = [], []
+        for k, r in enumerate(requests):
+            (text,) = r.args
+            for window in get_rolling_token_windows(token_list=_TOK.encode(text),
+                                                    prefix_token=_TOK.bos,
+                                                    max_seq_len=self.cfg.max_seq_len,
+                                                    context_len=1):
+                pairs.append(make_disjoint_window(window))
+                owner.append(k)
+        totals = [0.0] * len(requests)
+        for k, (ll, _) in zip(owner, self.score(pairs, self.rolling_mode)):
+            totals[k] += ll
+        for r, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        prepared = []
+        for i, r in enumerate(requests):
+            context, kwargs = r.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            if kwargs.get("do_sample") or float(kwargs.get("temperature", 0) or 0) > 0:
+                log.warning("ced: sampling requested; generating greedily")
+            ctx = self._truncate([_TOK.bos] + _TOK.encode(context),
+                                 self.cfg.max_seq_len - max_new + 1)
+            prepared.append((ctx, until, max_new))
+            groups[(len(ctx), max_new)].append(i)
+        for (_, max_new), idx in sorted(groups.items()):
+            for s in range(0, len(idx), self.batch_size):
+                chunk = idx[s:s + self.batch_size]
+                ctx = torch.tensor([prepared[i][0] for i in chunk], device=self._device)
+                untils = [prepared[i][1] for i in chunk]
+                tokens = self._greedy(ctx, max_new, untils)
+                for j, i in enumerate(chunk):
+                    out[i] = _cut(tokens[j], untils[j])
+        for r, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", r.args, text)
+        return out  # type: ignore[return-value]
+
+    def _greedy(self, ctx: torch.Tensor, max_new: int, untils: list[list[str]]) -> list[list[int]]:
+        """Greedy tokens under the configured mode; EOS and stop strings are cut by `_cut`."""
+        return mode_generate(self.engine, ctx, max_new, self.mode).tolist()
+
+
+def _cut(tokens: list[int], until: list[str]) -> str:
+    """Text before EOS and before the first `until` string."""
+    if _TOK.eos in tokens:
+        tokens = tokens[:tokens.index(_TOK.eos)]
+    text = _TOK.decode(tokens)
+    for u in until:
+        if u and u in text:
+            text = text[:text.index(u)]
+    return text
+
+
+def _batch_size(value) -> int:
+    try:
+        size = int(str(value).split(":")[0]) if str(value).split(":")[0] != "auto" else 16
+    except ValueError:
+        size = 16
+    return max(1, size)

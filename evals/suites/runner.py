@@ -1,0 +1,452 @@
+"""Run the edge-case suite on a checkpoint: every family x point x inference mode, scored on the
+engine path, with confidence intervals and paired tests against the exact model.
+
+Scoring: teacher-forced exact match through `evals.modes.mode_logits` (the engine: prefill
+with the mode's replay / turn policy, then one decode step per target token). An example is
+correct iff the argmax at every target position is the target token. This equals greedy
+generation of len(target) tokens exactly (greedy output first departs from the target at the
+first position where the teacher-forced argmax does), and is batched. EOS is not scored.
+
+Also recorded per example and mode: the target's negative log-likelihood, the greedy (argmax)
+prediction, and the largest |logit difference| from the `full` mode on the target positions
+(exact modes should show float round-off only).
+
+Statistics: accuracy with a 95% Wilson interval per (family, x, mode), and per (family, mode)
+pooled over x. Each approximate mode is compared with `full` (the exact model) on the same
+examples by an exact McNemar test (two-sided binomial test on the discordant pairs). A cell is a
+capability drop when p < alpha (0.05, uncorrected) and the mode loses more pairs than it wins;
+`p_holm` (Holm over all per-x cells of the run) is reported alongside for a family-wise view.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ced import CEDModel, InferenceEngine, exact_replay_length
+from ced.checkpoint import load_model
+from ced.data import ByteTokenizer
+from ced.inference import POLICIES
+from evals.modes import Mode, mode_logits, parse_mode
+
+from .families import FAMILIES, SuiteSettings, build_documents, prompt_ids, target_ids, write_jsonl
+from .stats import holm, mcnemar_exact, wilson_interval
+
+_TOK = ByteTokenizer()
+FULL = "full"
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+def load_checkpoint(path: str | Path, topk: int | str | None = None, dtype: str = "float32",
+                    device: str = "cpu") -> CEDModel:
+    """`ced.checkpoint.load_model`, optionally with the top-k replaced (an int, or "all": read
+    every visible global entry, i.e. top-k = max_seq_len) and cast to `dtype`."""
+    model = load_model(path, map_location=device)
+    if topk is not None and str(topk).lower() not in ("", "none", "null"):
+        all_entries = str(topk).lower() == "all"
+        k = model.cfg.max_seq_len if all_entries else int(topk)
+        if model.cfg.topk is None and not all_entries:
+            raise ValueError(f"topk={topk}: this checkpoint has no lightning indexer (it was "
+                             "trained with topk=None, reading every entry); only topk=all")
+        if model.cfg.topk is not None and k != model.cfg.topk:
+            fresh = CEDModel(dataclasses.replace(model.cfg, topk=k))
+            fresh.load_state_dict(model.state_dict())
+            model = fresh.to(device).eval()
+    if dtype not in ("float32", "float64", "bfloat16"):
+        raise ValueError(f"dtype: one of float32, float64, bfloat16; got {dtype!r}")
+    return model.to(dtype=getattr(torch, dtype)).eval()
+
+
+def make_engine(model: CEDModel, replays: Iterable[int] = ()) -> InferenceEngine:
+    """An engine whose H_(L_e) tail covers R_exact and every N (the cached_hidden policy)."""
+    cfg = model.cfg
+    if not cfg.has_decoder:
+        return InferenceEngine(model)
+    tail = max([exact_replay_length(cfg), *replays])
+    return InferenceEngine(model, hidden_tail=min(tail, cfg.max_seq_len))
+
+
+# ---- modes ----------------------------------------------------------------------------------
+
+def suite_modes(cfg, replays: Iterable[int], turns: Iterable[int] = ()) -> tuple[list[str], list[str]]:
+    """(modes for every family, extra multi-turn modes for families with turn_modes).
+
+    Every family: full, replay=N for each N, replay=exact (dense/swa: full only).
+    Multi-turn: turn=m,policy=P,replay=R for each m, each policy of spec 4.3, R in N's + exact
+    (a prefix cache, spec 4.2, with exact encoder replay: evals.modes' default)."""
+    if not cfg.has_decoder:
+        return [FULL], []
+    replays = sorted(set(replays))
+    base = [FULL] + [f"replay={n}" for n in replays] + ["replay=exact"]
+    turn = [f"turn={m},policy={p},replay={r}" for m in sorted(set(turns)) for p in POLICIES
+            for r in [*replays, "exact"]]
+    return base, turn
+
+
+def effective_replay(mode: Mode, cfg, length: int) -> int | None:
+    """Decoder positions replayed at the end of the prompt (None: no truncation)."""
+    if mode.replay is None:
+        return None
+    n = exact_replay_length(cfg) if mode.replay == "exact" else int(mode.replay)
+    return min(n, length)
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+
+def _chunks(docs: list[dict], batch_size: int):
+    """Batches of documents with equal prompt and target lengths (the engine batches rows of
+    one length)."""
+    groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for doc in docs:
+        groups[(len(prompt_ids(doc)), len(target_ids(doc)))].append(doc)
+    for key in sorted(groups):
+        rows = groups[key]
+        for i in range(0, len(rows), batch_size):
+            yield rows[i:i + batch_size]
+
+
+def _beyond(doc: dict, n: int | None) -> int | str:
+    """How many of the example's facts start before the replay start (distance > N)."""
+    if n is None:
+        return 0
+    chain = doc["meta"].get("chain_distances")
+    if chain:
+        return sum(d > n for d in chain)
+    d = doc.get("distance")
+    return "" if d is None else int(d > n)
+
+
+@torch.no_grad()
+def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
+                       turn_modes: list[str], batch_size: int = 64, engine=None,
+                       progress: bool = False) -> tuple[list[dict], list[str]]:
+    """Score every document under every mode. Returns (rows, warnings); one row per
+    (document, mode)."""
+    engine = engine or make_engine(model)
+    cfg = model.cfg
+    parsed = {m: parse_mode(m) for m in base_modes + turn_modes}
+    rows: list[dict] = []
+    warnings: list[str] = []
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for doc in docs:
+        by_family[doc["family"]].append(doc)
+    device = next(model.parameters()).device
+    start = time.time()
+    for fam_name, fam_docs in by_family.items():
+        fam = FAMILIES.get(fam_name)
+        modes = base_modes + (turn_modes if fam is None or fam.turn_modes else [])
+        if FULL not in modes:
+            modes = [FULL] + modes
+        for batch in _chunks(fam_docs, batch_size):
+            ctx = torch.tensor([prompt_ids(d) for d in batch], device=device)
+            tgt = torch.tensor([target_ids(d) for d in batch], device=device)
+            reference = None
+            for name in modes:
+                mode = parsed.get(name) or parse_mode(name)
+                try:
+                    logits = mode_logits(engine, ctx, tgt, mode).double()
+                except ValueError as err:
+                    msg = f"{fam_name} T={ctx.shape[1]}: mode {name} skipped: {err}"
+                    if msg not in warnings:
+                        warnings.append(msg)
+                    continue
+                if name == FULL:
+                    reference = logits
+                logp = torch.log_softmax(logits, -1)
+                nll = -logp.gather(-1, tgt[..., None])[..., 0].sum(-1)
+                pred = logits.argmax(-1)
+                correct = pred.eq(tgt).all(-1)
+                diff = (logits - reference).abs().amax((-1, -2))
+                n_eff = effective_replay(mode, cfg, ctx.shape[1])
+                for i, doc in enumerate(batch):
+                    rows.append({
+                        "id": doc["id"], "family": fam_name, "x_name": doc["x_name"],
+                        "x": doc["x"], "seed": doc["seed"], "mode": name,
+                        "replay": "" if mode.replay is None else mode.replay,
+                        "turn": "" if mode.turn is None else mode.turn,
+                        "policy": mode.policy or "",
+                        "distance": "" if doc.get("distance") is None else doc["distance"],
+                        "length": doc["length"], "beyond_replay": _beyond(doc, n_eff),
+                        "target": doc["target"], "prediction": _TOK.decode(pred[i]),
+                        "correct": int(correct[i]), "nll": float(nll[i]),
+                        "logit_diff": float(diff[i]), "chance": doc.get("chance", ""),
+                    })
+        if progress:
+            print(f"  {fam_name}: {len(fam_docs)} examples x {len(modes)} modes "
+                  f"({time.time() - start:.1f}s)", file=sys.stderr)
+    return rows, warnings
+
+
+# ---- summaries -------------------------------------------------------------------------------
+
+def _sort_x(x):
+    return (1, 0) if x == "all" else (0, x)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Accuracy per (family, x, mode) and pooled over x (x = "all"), with Wilson 95% CIs."""
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        cells[(r["family"], r["x_name"], r["x"], r["mode"])].append(r)
+        cells[(r["family"], r["x_name"], "all", r["mode"])].append(r)
+    full_pred = {r["id"]: r["prediction"] for r in rows if r["mode"] == FULL}
+    out = []
+    for (family, x_name, x, mode), rs in cells.items():
+        n, k = len(rs), sum(r["correct"] for r in rs)
+        lo, hi = wilson_interval(k, n)
+        chance = [r["chance"] for r in rs if r["chance"] != ""]
+        out.append({
+            "family": family, "x_name": x_name, "x": x, "mode": mode, "n": n, "correct": k,
+            "accuracy": k / n, "ci_low": lo, "ci_high": hi,
+            "chance": sum(chance) / len(chance) if chance else "",
+            "mean_nll": sum(r["nll"] for r in rs) / n,
+            "agree_with_full": sum(r["prediction"] == full_pred.get(r["id"]) for r in rs) / n,
+            "max_logit_diff": max(r["logit_diff"] for r in rs),
+        })
+    order = {name: i for i, name in enumerate(FAMILIES)}
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    out.sort(key=lambda s: (order.get(s["family"], 99), s["family"], _sort_x(s["x"]),
+                            modes.index(s["mode"])))
+    return out
+
+
+def paired_tests(rows: list[dict], alpha: float = 0.05) -> list[dict]:
+    """Every non-full mode against full on the same examples (exact McNemar), per (family, x)
+    and pooled over x; significant = p < alpha and more pairs lost than won."""
+    outcome: dict[tuple, dict[str, int]] = defaultdict(dict)     # (family, x_name, mode) -> id
+    xs: dict[str, object] = {}
+    for r in rows:
+        outcome[(r["family"], r["x_name"], r["mode"])][r["id"]] = r["correct"]
+        xs[r["id"]] = r["x"]
+    tests = []
+    for (family, x_name, mode), results in outcome.items():
+        if mode == FULL:
+            continue
+        reference = outcome.get((family, x_name, FULL), {})
+        ids = [i for i in results if i in reference]
+        by_x: dict[object, list[str]] = defaultdict(list)
+        for i in ids:
+            by_x[xs[i]].append(i)
+        for x, members in [*by_x.items(), ("all", ids)]:
+            ref = [bool(reference[i]) for i in members]
+            got = [bool(results[i]) for i in members]
+            t = mcnemar_exact(ref, got)
+            n = len(members)
+            tests.append({
+                "family": family, "x_name": x_name, "x": x, "mode": mode, "n": n,
+                "acc_full": sum(ref) / n, "acc_mode": sum(got) / n,
+                "delta": (sum(got) - sum(ref)) / n,
+                "full_only": t["b"], "mode_only": t["c"], "p_value": t["p_value"],
+                "significant": int(t["p_value"] < alpha and t["b"] > t["c"]),
+            })
+    per_x = [t for t in tests if t["x"] != "all"]
+    for t, p in zip(per_x, holm([t["p_value"] for t in per_x])):
+        t["p_holm"] = p
+    for t in tests:
+        t.setdefault("p_holm", "")
+    order = {name: i for i, name in enumerate(FAMILIES)}
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    tests.sort(key=lambda s: (order.get(s["family"], 99), s["family"], _sort_x(s["x"]),
+                              modes.index(s["mode"])))
+    return tests
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+def write_csv(rows: list[dict], path: Path, fields: list[str] | None = None) -> Path:
+    fields = fields or (list(rows[0]) if rows else [])
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+DROP_FIELDS = ["family", "x_name", "x", "mode", "n", "acc_full", "acc_mode", "delta",
+               "full_only", "mode_only", "p_value", "p_holm", "significant"]
+
+
+def plot(summary: list[dict], settings: SuiteSettings, path: Path, title: str = "") -> Path:
+    """Accuracy vs x per family (one panel each), a line per mode with its 95% CI band, the
+    replay lengths N, window W and R_exact marked, the chance level dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(s["family"] for s in summary))
+    cols = min(3, max(1, len(families)))
+    rows_n = math.ceil(len(families) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4.2 * rows_n), squeeze=False)
+    marks = settings.marks()
+    n_colors = plt.get_cmap("tab10")
+    replay_color = {n: n_colors(i % 10) for i, n in enumerate(settings.replays)}
+    for ax, family in zip(axes.flat, families):
+        cells = [s for s in summary if s["family"] == family and s["x"] != "all"]
+        modes = list(dict.fromkeys(s["mode"] for s in cells))
+        many = len(modes) > 6
+        for i, mode in enumerate(modes):
+            pts = sorted((s for s in cells if s["mode"] == mode), key=lambda s: s["x"])
+            xs = [s["x"] for s in pts]
+            ys = [s["accuracy"] for s in pts]
+            parsed = parse_mode(mode)
+            if mode == FULL:
+                style = dict(color="black", lw=2.2, marker="o", zorder=5)
+            elif parsed.replay == "exact" and parsed.turn is None:
+                style = dict(color="0.5", lw=1.5, ls="--", marker="s")
+            elif parsed.turn is None:
+                style = dict(color=replay_color.get(parsed.replay, "C9"), lw=1.6, marker="^")
+            else:
+                style = dict(color=plt.get_cmap("tab20")(i % 20), lw=1.0, marker=".",
+                             ls=[":", "-.", "--", "-"][POLICIES.index(parsed.policy) % 4])
+            ax.plot(xs, ys, label=mode, **style)
+            if not many or parsed.turn is None:
+                ax.fill_between(xs, [s["ci_low"] for s in pts], [s["ci_high"] for s in pts],
+                                color=style["color"], alpha=0.08)
+        chance = [s["chance"] for s in cells if s["chance"] != ""]
+        if chance:
+            ax.axhline(sum(chance) / len(chance), color="0.6", ls=":", lw=1, label="chance")
+        for n in marks["N"]:
+            ax.axvline(n, color=replay_color[n], ls="--", lw=0.9, alpha=0.8, label=f"N={n}")
+        ax.axvline(marks["W"][0], color="tab:purple", ls=":", lw=1.1, label=f"W={marks['W'][0]}")
+        for r in marks.get("R_exact", []):
+            ax.axvline(r, color="tab:brown", ls="-.", lw=1.0, label=f"R_exact={r}")
+        xs_all = [s["x"] for s in cells]
+        if xs_all and min(xs_all) > 0 and max(xs_all) / min(xs_all) > 8:
+            ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(family)
+        ax.set_xlabel(cells[0]["x_name"] + (" (tokens from the end)"
+                                            if cells[0]["x_name"] == "distance" else " T"))
+        ax.set_ylabel("exact match")
+        ax.legend(fontsize=5.5 if many else 6.5, ncol=2 if many else 1, loc="best",
+                  framealpha=0.6)
+    for ax in list(axes.flat)[len(families):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1, 0.97) if title else None)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_table(summary: list[dict], drops: list[dict], width: int = 9) -> str:
+    """Plain-text accuracy table (family x point rows, mode columns) and the drop list."""
+    lines = []
+    families = list(dict.fromkeys(s["family"] for s in summary))
+    for family in families:
+        cells = [s for s in summary if s["family"] == family]
+        modes = list(dict.fromkeys(s["mode"] for s in cells))
+        short = {m: m.replace("policy=", "").replace("turn=", "t").replace("replay=", "r=")
+                 for m in modes}
+        xs = list(dict.fromkeys(s["x"] for s in cells))
+        acc = {(s["x"], s["mode"]): s["accuracy"] for s in cells}
+        lines.append(f"{family} (x = {cells[0]['x_name']}, n = {cells[0]['n']} per cell)")
+        head = "  x     " + "".join(f"{short[m]:>{max(width, len(short[m]) + 1)}}"
+                                     for m in modes)
+        lines.append(head)
+        for x in xs:
+            lines.append(f"  {str(x):6s}" + "".join(
+                f"{acc.get((x, m), float('nan')):>{max(width, len(short[m]) + 1)}.2f}"
+                for m in modes))
+    lines.append("")
+    sig = [d for d in drops if d["significant"]]
+    lines.append(f"capability drops (exact McNemar vs full, p < 0.05): {len(sig)}")
+    for d in sig:
+        lines.append(f"  {d['family']:16s} {d['x_name']}={str(d['x']):5s} {d['mode']:40s} "
+                     f"{d['acc_full']:.2f} -> {d['acc_mode']:.2f}  (lost {d['full_only']}, "
+                     f"won {d['mode_only']}, p={d['p_value']:.2g}, holm={d['p_holm'] if d['p_holm'] == '' else round(d['p_holm'], 3)})")
+    return "\n".join(lines)
+
+
+def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, examples: int = 50,
+              families: Iterable[str] | None = None, turns: Iterable[int] = (),
+              batch_size: int = 64, dtype: str = "float32", device: str = "cpu",
+              topk: int | str | None = None, extra_distances: Iterable[int] = (),
+              max_length: int | None = None, needle_distractors: int | None = None,
+              alpha: float = 0.05, seed_offset: int = 0, make_plot: bool = True,
+              wandb: bool = False, wandb_project: str = "ced-suite",
+              progress: bool = True) -> dict:
+    """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings"}."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device)
+    cfg = model.cfg
+    settings = SuiteSettings.from_config(cfg, replays, turns,
+                                         extra_distances=tuple(extra_distances),
+                                         max_length=max_length,
+                                         needle_distractors=needle_distractors)
+    docs = build_documents(settings, examples, families, seed_offset=seed_offset)
+    write_jsonl(docs, out / "data")
+    base, turn = suite_modes(cfg, settings.replays, settings.turns)
+    if progress:
+        from .families import describe
+        print(describe(settings), file=sys.stderr)
+        print(f"modes: {base} + {len(turn)} multi-turn modes on "
+              f"{[f for f in FAMILIES if FAMILIES[f].turn_modes]}", file=sys.stderr)
+    t0 = time.time()
+    rows, warnings = evaluate_documents(model, docs, base, turn, batch_size=batch_size,
+                                        engine=make_engine(model, settings.replays),
+                                        progress=progress)
+    elapsed = time.time() - t0
+    summary = summarize(rows)
+    tests = paired_tests(rows, alpha)
+    drops = [t for t in tests if t["significant"]]
+    paths = {
+        "results": write_csv(rows, out / "results.csv"),
+        "summary": write_csv(summary, out / "summary.csv"),
+        "paired_tests": write_csv(tests, out / "paired_tests.csv", DROP_FIELDS),
+        "capability_drop": write_csv(drops, out / "capability_drop.csv", DROP_FIELDS),
+    }
+    run_info = {
+        "checkpoint": str(checkpoint), "config": cfg.to_dict(),
+        "settings": dataclasses.asdict(settings), "examples": examples,
+        "modes": base, "turn_modes": turn, "alpha": alpha, "seconds": elapsed,
+        "scoring": "teacher-forced exact match on the engine path (evals.modes.mode_logits)",
+        "warnings": warnings,
+    }
+    paths["summary_json"] = out / "summary.json"
+    paths["summary_json"].write_text(json.dumps(
+        {"run": run_info, "summary": summary, "capability_drop": drops}, indent=1,
+        default=str))
+    if make_plot:
+        paths["plot"] = plot(summary, settings, out / "accuracy.png",
+                             title=f"{Path(checkpoint).name}: {cfg.variant}, W={cfg.window}, "
+                                   f"R_exact={settings.r_exact}")
+    if wandb:
+        _log_wandb(wandb_project, run_info, summary, drops, paths, out)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return {"summary": summary, "drops": drops, "tests": tests, "rows": rows, "paths": paths,
+            "warnings": warnings, "settings": settings, "seconds": elapsed}
+
+
+def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[dict],
+               paths: dict, out: Path) -> None:
+    """Offline unless WANDB_MODE says otherwise; `wandb sync <out>/wandb/offline-run-*`."""
+    import wandb
+
+    run = wandb.init(project=project, dir=str(out), job_type="suite",
+                     mode=os.environ.get("WANDB_MODE", "offline"),
+                     config={k: v for k, v in run_info.items() if k != "warnings"})
+    cols = list(summary[0]) if summary else []
+    run.log({"summary": wandb.Table(columns=cols, data=[[str(s[c]) if c == "x" else s[c]
+                                                          for c in cols] for s in summary]),
+             "capability_drop": wandb.Table(columns=DROP_FIELDS,
+                                            data=[[str(d[c]) if c == "x" else d[c]
+                                                   for c in DROP_FIELDS] for d in drops])})
+    if "plot" in paths:
+        run.log({"accuracy": wandb.Image(str(paths["plot"]))})
+    run.summary["capability_drops"] = len(drops)
+    run.finish()
