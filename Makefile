@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup test test-slow bench-core bench-train clean
+.PHONY: setup test test-slow bench bench-core bench-train clean
 
 # Re-created whenever pyproject.toml changes, so a fresh clone needs no manual install step.
 $(VENV)/.installed: pyproject.toml
@@ -22,6 +22,9 @@ test: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/inference.py
 
 bench-core: $(VENV)/.installed
 	$(PY) benchmarks/core.py

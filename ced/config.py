@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from .storage import parse_storage
+
 VARIANTS = ("dense", "swa", "yoco", "ced")
 GlobalMode = Literal["full", "reindex", "reuse"]
 
@@ -52,8 +54,20 @@ class ModelConfig:
     tie_embeddings: bool = False
     # Queries are processed in blocks of this many positions; a speed/memory knob only.
     attention_block: int = 128
+    # ---- cost model only (ced.cost); CEDModel and the engine ignore these -----------------
+    # Storage formats of cached KV at deployment (see ced/storage.py: "fp32", "bf16", "fp8",
+    # "fp4_block16", ...). None: the model's own dtype, which is what the engine stores.
+    window_kv_dtype: str | None = None
+    global_kv_dtype: str | None = None
+    indexer_key_dtype: str | None = None
+    # Parts of the paper-scale model that ced/model.py does not implement (MoE, mHC, Engram,
+    # latent attention), described so that the cost model prices them; see UnmodelledParts.
+    # None (every small config): the model is exactly what ced/model.py builds.
+    unmodelled: "UnmodelledParts | None" = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.unmodelled, dict):
+            object.__setattr__(self, "unmodelled", UnmodelledParts.from_dict(self.unmodelled))
         _validate(self)
 
     # ---- derived quantities -------------------------------------------------------------
@@ -68,6 +82,11 @@ class ModelConfig:
     @property
     def n_layers(self) -> int:
         return self.n_encoder_layers + self.n_decoder_layers
+
+    @property
+    def describes_unmodelled_parts(self) -> bool:
+        """True when the config prices parts CEDModel does not build (cost model only)."""
+        return self.unmodelled is not None
 
     @property
     def has_decoder(self) -> bool:
@@ -135,6 +154,20 @@ def _validate(c: ModelConfig) -> None:
             or not c.rope_theta > 0:
         _fail("rope_theta", "must be > 0", c.rope_theta)
 
+    for name in ("window_kv_dtype", "global_kv_dtype", "indexer_key_dtype"):
+        value = getattr(c, name)
+        if value is not None:
+            try:
+                parse_storage(value)
+            except ValueError as err:
+                _fail(name, f"must be None (the model's dtype) or a storage format ({err})",
+                      value)
+    if c.unmodelled is not None:
+        if not isinstance(c.unmodelled, UnmodelledParts):
+            _fail("unmodelled", "must be None or a mapping of UnmodelledParts fields",
+                  c.unmodelled)
+        _validate_unmodelled(c, c.unmodelled)
+
     if c.variant == "yoco" and c.decoder_compress_ratio != 1:
         _fail("decoder_compress_ratio", "must be 1 for variant 'yoco' (YOCO's cross-decoder "
               "reads an uncompressed KV)", c.decoder_compress_ratio)
@@ -158,6 +191,115 @@ def _validate(c: ModelConfig) -> None:
         if c.window < c.decoder_compress_ratio:
             _fail("window", f"must be >= decoder_compress_ratio ({c.decoder_compress_ratio}): "
                   "the window covers the incomplete compression block", c.window)
+
+
+# ---- parts of the paper-scale model that ced/model.py does not build ----------------------
+
+@dataclass(frozen=True)
+class UnmodelledParts:
+    """Architecture the paper has and our model code does not, for the cost model only.
+
+    Every field is optional; a None (or empty) field means "as ced/model.py builds it".
+
+    Latent attention (V4.1: one shared latent per window position and per global entry, used as
+    K and V by every head, i.e. multi-query):
+      kv_latent_dim: latent width; queries and outputs then have head dim kv_latent_dim.
+      q_lora_rank:   low-rank query d -> r -> n_heads * head_dim (an RMSNorm of width r between);
+                     the indexer's query then reads the rank-r query latent.
+      o_lora_rank:   low-rank output n_heads * head_dim -> r -> d.
+    MoE feed-forward (replaces the SwiGLU MLP in every layer): moe_routed_experts routed
+      SwiGLU experts of width moe_ff_dim, moe_active_experts of them per token, plus
+      moe_shared_experts always-active ones and a router d -> moe_routed_experts.
+    mHC (manifold-constrained hyper-connections): hc_streams residual streams; each of the two
+      sublayers of a layer has a dynamic mapping (hc_streams * d) -> (n^2 + 2n), its static
+      bias (n^2 + 2n) and 3 gating scalars.
+    Engram (hashed n-gram memory) in engram_layers: engram_table_rows rows of width
+      engram_dim / engram_lookups, engram_lookups rows gathered per token and concatenated to
+      engram_dim values, a value projection engram_dim -> d, a key projection engram_dim -> d
+      per residual stream (hc_streams, or 1), and a depthwise causal convolution of width
+      engram_conv_kernel over d channels.
+    """
+
+    kv_latent_dim: int | None = None
+    q_lora_rank: int | None = None
+    o_lora_rank: int | None = None
+    moe_routed_experts: int | None = None
+    moe_active_experts: int | None = None
+    moe_shared_experts: int = 0
+    moe_ff_dim: int | None = None
+    hc_streams: int | None = None
+    engram_layers: tuple[int, ...] = ()
+    engram_table_rows: int | None = None
+    engram_dim: int | None = None
+    engram_lookups: int | None = None
+    engram_conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.engram_layers, list):
+            object.__setattr__(self, "engram_layers", tuple(self.engram_layers))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "UnmodelledParts":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"ModelConfig.unmodelled: unknown key(s) {unknown}; allowed keys: "
+                             f"{sorted(known)}")
+        return cls(**values)
+
+    @property
+    def has_moe(self) -> bool:
+        return self.moe_routed_experts is not None
+
+    @property
+    def has_engram(self) -> bool:
+        return bool(self.engram_layers)
+
+
+def _fail_unmodelled(name: str, message: str, value: Any) -> None:
+    raise ValueError(f"ModelConfig.unmodelled.{name}: {message}; got {value!r}")
+
+
+def _validate_unmodelled(c: ModelConfig, u: UnmodelledParts) -> None:
+    for name in ("kv_latent_dim", "q_lora_rank", "o_lora_rank", "moe_routed_experts",
+                 "moe_active_experts", "moe_ff_dim", "hc_streams", "engram_table_rows",
+                 "engram_dim", "engram_lookups"):
+        value = getattr(u, name)
+        if value is not None and (not _is_int(value) or value < 1):
+            _fail_unmodelled(name, "must be None or an integer >= 1", value)
+    for name, minimum in (("moe_shared_experts", 0), ("engram_conv_kernel", 1)):
+        value = getattr(u, name)
+        if not _is_int(value) or value < minimum:
+            _fail_unmodelled(name, f"must be an integer >= {minimum}", value)
+    moe = {n: getattr(u, n) for n in ("moe_routed_experts", "moe_active_experts", "moe_ff_dim")}
+    if any(v is not None for v in moe.values()):
+        for name, value in moe.items():
+            if value is None:
+                _fail_unmodelled(name, "must be set when any of moe_routed_experts, "
+                                 "moe_active_experts, moe_ff_dim is", value)
+        if u.moe_active_experts > u.moe_routed_experts:
+            _fail_unmodelled("moe_active_experts", f"must be <= moe_routed_experts "
+                             f"({u.moe_routed_experts})", u.moe_active_experts)
+    elif u.moe_shared_experts:
+        _fail_unmodelled("moe_shared_experts", "must be 0 without routed experts "
+                         "(moe_routed_experts is None)", u.moe_shared_experts)
+    layers = u.engram_layers
+    if not isinstance(layers, tuple) or not all(_is_int(i) for i in layers):
+        _fail_unmodelled("engram_layers", "must be a list of layer indices", layers)
+    if len(set(layers)) != len(layers) or any(not 0 <= i < c.n_layers for i in layers):
+        _fail_unmodelled("engram_layers", f"must hold distinct layer indices in "
+                         f"[0, {c.n_layers})", layers)
+    engram = {n: getattr(u, n) for n in ("engram_table_rows", "engram_dim", "engram_lookups")}
+    if layers:
+        for name, value in engram.items():
+            if value is None:
+                _fail_unmodelled(name, "must be set when engram_layers is not empty", value)
+        if u.engram_dim % u.engram_lookups:
+            _fail_unmodelled("engram_lookups", f"must divide engram_dim ({u.engram_dim})",
+                             u.engram_lookups)
+    elif any(v is not None for v in engram.values()):
+        name = next(n for n, v in engram.items() if v is not None)
+        _fail_unmodelled(name, "needs engram_layers (empty: no Engram)", engram[name])
 
 
 # ---- the layer schedule ------------------------------------------------------------------
@@ -270,5 +412,6 @@ def exact_encoder_replay_length(c: ModelConfig) -> int:
     return c.n_encoder_layers * (c.window - 1) + 1
 
 
-__all__ = ["ModelConfig", "LayerPlan", "LayerSpec", "SourceSpec", "build_plan", "group_sizes",
+__all__ = ["ModelConfig", "UnmodelledParts", "LayerPlan", "LayerSpec", "SourceSpec", "build_plan",
+           "group_sizes",
            "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length"]

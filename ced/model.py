@@ -511,6 +511,10 @@ class CEDModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.describes_unmodelled_parts:
+            raise ValueError("ModelConfig.unmodelled: describes parts this model code does not "
+                             "build (MoE, mHC, Engram, a shared K=V latent); such a config is "
+                             "for the cost model (python -m ced.cost), not for CEDModel")
         self.cfg = cfg
         self.plan = build_plan(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)

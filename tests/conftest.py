@@ -4,6 +4,7 @@ a driver that runs the inference engine over a prompt and then decodes teacher-f
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -18,6 +19,7 @@ torch.set_num_threads(1)
 
 # Exact-equivalence checks run in float64; the two sides differ only by summation order.
 TOL = 1e-10
+ROOT_CONF = Path(__file__).resolve().parents[1] / "conf"
 VOCAB = 61
 
 

@@ -183,3 +183,17 @@ def test_engine_refuses_a_training_model_with_dropout():
     model = CEDModel(tiny_config(dropout=0.1)).train()
     with pytest.raises(ValueError, match=r"call model.eval\(\) first"):
         InferenceEngine(model).prefill(random_ids(1, 5, 0))
+
+
+def test_model_refuses_a_config_with_unmodelled_parts():
+    """The paper-scale config prices MoE/mHC/latent parts that CEDModel does not build; building
+    it would silently drop them."""
+    from omegaconf import OmegaConf
+
+    from ced import ModelConfig
+    from conftest import ROOT_CONF
+    cfg = ModelConfig.from_dict(OmegaConf.to_container(
+        OmegaConf.load(ROOT_CONF / "model" / "deepseek_v41_flash.yaml")))
+    with pytest.raises(ValueError, match=r"ModelConfig.unmodelled: describes parts"):
+        CEDModel(replace(cfg, d_model=64, n_heads=2, vocab_size=300, indexer_heads=2,
+                         indexer_dim=8))
