@@ -397,6 +397,25 @@ def exact_replay_length(c: ModelConfig) -> int:
                      "only 'yoco' and 'ced' do")
 
 
+def resolve_replay(c: ModelConfig, replay: None | int | str, available: int,
+                   name: str = "replay") -> int:
+    """Decoder positions an early-exit prefill runs out of `available`: None -> all of them;
+    'exact' -> R_exact; an int N >= 1 -> N; always clipped to `available`."""
+    if replay is None:
+        return available
+    if not c.has_decoder:
+        raise ValueError(f"{name}: variant {c.variant!r} has no decoder to replay; use "
+                         "replay=None (every token through every layer)")
+    if replay == "exact":
+        return min(exact_replay_length(c), available)
+    if isinstance(replay, bool) or not isinstance(replay, int):
+        raise ValueError(f"{name}: expected None, 'exact' or an int >= 1; got {replay!r}")
+    if replay < 1:
+        raise ValueError(f"{name}: must be >= 1 (the last prompt token always runs the "
+                         f"decoder); got {replay}")
+    return min(replay, available)
+
+
 def paper_replay_length(c: ModelConfig) -> int:
     """The paper's rounded figure n_decoder_layers * window (2560 at V4.1 scale)."""
     if not c.has_decoder:
@@ -414,4 +433,5 @@ def exact_encoder_replay_length(c: ModelConfig) -> int:
 
 __all__ = ["ModelConfig", "UnmodelledParts", "LayerPlan", "LayerSpec", "SourceSpec", "build_plan",
            "group_sizes",
-           "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length"]
+           "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length",
+           "resolve_replay"]

@@ -40,7 +40,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .config import (LayerSpec, ModelConfig, build_plan, exact_replay_length,
+from .config import (LayerSpec, ModelConfig, build_plan, exact_replay_length, resolve_replay,
                      paper_replay_length)
 from .storage import StorageFormat, parse_storage
 
@@ -471,20 +471,6 @@ class _Walk:
     def clear_decoder_windows(self) -> None:
         for spec in self.plan.part("decoder"):
             self.windows.pop(spec.index, None)
-
-
-def resolve_replay(cfg: ModelConfig, replay: None | int | str, length: int) -> int:
-    """Decoder positions an early-exit prefill of `length` tokens runs (engine semantics):
-    None -> all; 'exact' -> R_exact; N -> N; clipped to `length`."""
-    if replay is None:
-        return length
-    if not cfg.has_decoder:
-        raise ValueError(f"replay: variant {cfg.variant!r} has no decoder to replay")
-    if replay == "exact":
-        return min(exact_replay_length(cfg), length)
-    if isinstance(replay, bool) or not isinstance(replay, int) or replay < 1:
-        raise ValueError(f"replay: expected None, 'exact' or an int >= 1; got {replay!r}")
-    return min(replay, length)
 
 
 def _check_length(name: str, value: int, minimum: int = 1) -> None:

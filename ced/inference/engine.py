@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..config import exact_encoder_replay_length, exact_replay_length
+from ..config import exact_encoder_replay_length, exact_replay_length, resolve_replay
 from ..model import CEDModel, ForwardContext, ModelState, WindowKV
 
 Replay = None | int | Literal["exact"]
@@ -130,21 +130,8 @@ class InferenceEngine:
                              f"tokens, over ModelConfig.max_seq_len={self.cfg.max_seq_len}")
 
     def resolve_replay(self, replay: Replay, available: int, name: str = "replay") -> int:
-        """Decoder positions to replay out of `available`: None -> all of them; 'exact' ->
-        R_exact; an int N >= 1 -> N; always clipped to `available`."""
-        if replay is None:
-            return available
-        if not self.cfg.has_decoder:
-            raise ValueError(f"{name}: variant {self.cfg.variant!r} has no decoder to replay; "
-                             "use replay=None (every token through every layer)")
-        if replay == "exact":
-            return min(exact_replay_length(self.cfg), available)
-        if isinstance(replay, bool) or not isinstance(replay, int):
-            raise ValueError(f"{name}: expected None, 'exact' or an int >= 1; got {replay!r}")
-        if replay < 1:
-            raise ValueError(f"{name}: must be >= 1 (the last prompt token always runs the "
-                             f"decoder); got {replay}")
-        return min(replay, available)
+        """Decoder positions to replay out of `available` (see `ced.config.resolve_replay`)."""
+        return resolve_replay(self.cfg, replay, available, name)
 
     def _resolve_encoder_replay(self, encoder_replay: Replay, available: int) -> int:
         if encoder_replay is None:
