@@ -378,6 +378,9 @@ def _hydra_task(cfg) -> float | None:
     except TrainingDiverged as exc:
         print(f"training stopped: {exc}", file=sys.stderr)
         sys.exit(3)
+    finally:
+        if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
+            shutil.rmtree(HydraConfig.get().runtime.output_dir, ignore_errors=True)
     return metrics.get("val/loss", metrics.get("loss"))
 
 
