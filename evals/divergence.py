@@ -197,7 +197,10 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
     for checkpoint in c.checkpoints:
         model = load_model(checkpoint).to(dtype)
         cfg = model.cfg
-        engine = InferenceEngine(model)
+        # The cached_hidden policy reads H_{L_e} of N - m prefix positions: keep enough.
+        longest = max([exact_replay_length(cfg), c.turn_replay or cfg.window, *c.replays]
+                      if cfg.has_decoder else [0])
+        engine = InferenceEngine(model, hidden_tail=min(longest, cfg.max_seq_len))
         base = {"checkpoint": str(checkpoint), "variant": cfg.variant, "window": cfg.window,
                 "n_decoder_layers": cfg.n_decoder_layers, "r_exact":
                 exact_replay_length(cfg) if cfg.has_decoder else None}

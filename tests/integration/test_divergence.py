@@ -66,3 +66,29 @@ def test_divergence_run_separates_exact_from_bounded_modes(checkpoint, tmp_path)
     assert sorted(layers["offset"].unique()) == [0, 1, 2, 3]
     # the first decoder layer at the replay start has lost the most context: nonzero error
     assert layers[layers["offset"] == 0]["value"].max() > 1e-6
+
+
+def test_yoco_early_exit_has_no_divergence_and_every_policy_runs(tmp_path):
+    """yoco: any decoder replay is exact (KL <= 1e-6); the cached_hidden policy at N = W needs
+    N - m stored H_{L_e} positions, which the runner must keep (R_exact alone is 1)."""
+    run = tmp_path / "yoco"
+    done = subprocess.run(
+        [sys.executable, "-m", "ced.train", "model=yoco", "model.d_model=32", "model.n_heads=2",
+         "model.n_encoder_layers=2", "model.n_decoder_layers=2", "model.window=8",
+         "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=4", "train.steps=5",
+         "train.eval_every=5", "train.threads=1", "train.progress=false", "logging=none",
+         "data=stdlib", f"hydra.run.dir={run}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from evals.divergence import DivergenceConfig, PromptConfig, WandbConfig
+    from evals.divergence import run as run_divergence
+    config = DivergenceConfig(checkpoints=[str(run / "final")], replays=[1, 4], lengths=[40],
+                              steps=2, greedy_steps=3, turn_tokens=2, encoder_replays=["exact"],
+                              bootstrap=10, prompts=PromptConfig(count=2),
+                              wandb=WandbConfig(enabled=False))
+    rows = run_divergence(config, tmp_path / "out")
+    kl = {r["mode"]: r["value"] for r in rows if r["metric"] == "kl" and r["step"] == 0}
+    assert "turn=2,policy=cached_hidden,replay=8" in kl
+    for mode in ("replay=1", "replay=4", "replay=exact", "yoco_early_exit",
+                 "turn=2,policy=cached_hidden,replay=8", "turn=2,policy=suffix_only,replay=8"):
+        assert kl[mode] <= 1e-6, (mode, kl[mode])

@@ -1,0 +1,1 @@
+"""Named studies (conf/experiment/*.yaml) and their driver: `python -m experiments.run study=NAME`."""

@@ -1,0 +1,101 @@
+"""The study driver end to end on the `tiny` study (conf/experiment/tiny.yaml): it trains,
+evaluates and reports; a job that fails (an invalid override) is recorded and does not stop the
+others; a second run skips everything already done. Also the shipped studies parse."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.run import STUDY_DIR, load_study, resolve_lengths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_study(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, "-m", "experiments.run", "study=tiny", f"out={out}",
+                           "threads=1", "wandb=false", *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    first = run_study(out)
+    return out, first
+
+
+def test_study_runs_end_to_end_and_reports_the_failed_job(tiny_study):
+    out, first = tiny_study
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]  # one job fails
+    summary = json.loads((out / "summary.json").read_text())
+    steps = summary["steps"]
+    assert summary["failed"] == ["train/broken"]
+    assert steps["train/broken"]["returncode"] != 0
+    assert "train.steps" in steps["train/broken"]["tail"]
+    for key in ("train/yoco", "train/ced", "divergence", "suite/yoco", "suite/ced", "report"):
+        assert steps[key]["state"] == "ok", (key, steps[key])
+    for job in ("yoco", "ced"):
+        assert (out / "runs" / job / "final" / "model.safetensors").exists()
+        assert (out / "runs" / job / "metrics.jsonl").exists()
+        assert (out / "suite" / job / "capability_drop.csv").exists()
+    assert (out / "divergence" / "divergence.parquet").exists()
+    assert f"report: {out / 'report' / 'report.html'}" in first.stdout
+
+
+def test_report_has_every_section_and_embedded_plots(tiny_study):
+    out, _ = tiny_study
+    report = out / "report"
+    md = (report / "report.md").read_text()
+    page = (report / "report.html").read_text()
+    for title in ("Status", "Training", "Divergence", "Accuracy against distance",
+                  "Cost-quality frontier", "Capability drop"):
+        assert f"## {title}" in md
+        assert f"<h2>{title}</h2>" in page
+    assert "Failed: train/broken" in md and "Failed: train/broken" in page
+    for png in ("training_curves", "divergence_vs_N", "accuracy_ced", "accuracy_yoco",
+                "cost_quality_frontier"):
+        assert (report / f"{png}.png").stat().st_size > 1000
+        assert f"({png}.png)" in md
+    # self-contained: every image is inline
+    assert page.count("src='data:image/png;base64,") == 5
+    assert ".png'" not in page
+    cost = (report / "cost_quality.csv").read_text()
+    assert "prefill_flops" in cost and "replay=exact" in cost
+
+
+def test_rerun_skips_what_is_done(tiny_study):
+    out, _ = tiny_study
+    metrics = out / "runs" / "ced" / "metrics.jsonl"
+    stamp = metrics.stat().st_mtime_ns
+    second = run_study(out)
+    assert second.returncode == 1
+    for line in ("train yoco: done before, skipped", "train ced: done before, skipped",
+                 "divergence: done before, skipped", "suite ced: done before, skipped"):
+        assert line in second.stdout
+    assert "train broken: FAILED" in second.stdout
+    assert metrics.stat().st_mtime_ns == stamp
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert steps["train/ced"]["state"] == "skipped"
+    assert steps["report"]["state"] == "ok"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in STUDY_DIR.glob("*.yaml")))
+def test_every_study_parses(name):
+    for scale in ("demo", "full"):
+        study = load_study(name, scale)
+        assert study["jobs"] and all(j["name"] for j in study["jobs"])
+
+
+def test_symbolic_replay_lengths():
+    cfg = {"variant": "ced", "vocab_size": 259, "d_model": 32, "n_heads": 2,
+           "n_encoder_layers": 2, "n_decoder_layers": 3, "window": 16, "topk": 4,
+           "global_from_layer": 1, "encoder_kv_groups": 1, "indexer_heads": 2,
+           "indexer_dim": 8, "max_seq_len": 256}
+    assert resolve_lengths([1, "W/4", "W/2", "W", "2W", "R_exact", 4], cfg) == [1, 4, 8, 16, 32, 46]
