@@ -175,6 +175,14 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
 def plot_divergence(div: pd.DataFrame, path: Path) -> Path | None:
     """KL and top-1 agreement at the first generated token against N, a line per job and T,
     with 95% bootstrap intervals; R_exact dotted."""
@@ -212,10 +220,7 @@ def plot_divergence(div: pd.DataFrame, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Divergence of bounded replay from the exact model")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_accuracy(suite: pd.DataFrame, info: dict, label: str, path: Path,
@@ -297,10 +302,7 @@ def plot_frontier(cost: pd.DataFrame, path: Path) -> Path | None:
     ax.set_title("Cost-quality frontier")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_training(runs: dict, path: Path) -> Path | None:
@@ -322,10 +324,7 @@ def plot_training(runs: dict, path: Path) -> Path | None:
     ax.set_title("Training curves")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ---- tables ---------------------------------------------------------------------------------
