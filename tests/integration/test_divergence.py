@@ -18,20 +18,24 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM
        "WANDB_SILENT": "true"}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A tiny ced model trained for a few steps on the stdlib corpus (R_exact = 2*7+1 = 15)."""
-    run = tmp_path_factory.mktemp("ckpt")
+def train_tiny(run: Path, *overrides: str, steps: int) -> Path:
+    """Train a tiny model (2+2 layers, W=8) on the stdlib corpus; returns its final/."""
     done = subprocess.run(
-        [sys.executable, "-m", "ced.train", "model=ced", "model.d_model=32", "model.n_heads=2",
+        [sys.executable, "-m", "ced.train", *overrides, "model.d_model=32", "model.n_heads=2",
          "model.n_encoder_layers=2", "model.n_decoder_layers=2", "model.window=8",
-         "model.topk=8", "model.global_from_layer=1", "model.encoder_kv_groups=1",
-         "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=4", "train.steps=15",
-         "train.eval_every=15", "train.threads=1", "train.progress=false", "logging=none",
-         "data=stdlib", f"hydra.run.dir={run}"],
+         "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=4",
+         f"train.steps={steps}", f"train.eval_every={steps}", "train.threads=1",
+         "train.progress=false", "logging=none", "data=stdlib", f"hydra.run.dir={run}"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return run / "final"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny ced model trained for a few steps (R_exact = 2*7+1 = 15)."""
+    return train_tiny(tmp_path_factory.mktemp("ckpt"), "model=ced", "model.topk=8",
+                      "model.global_from_layer=1", "model.encoder_kv_groups=1", steps=15)
 
 
 def test_divergence_run_separates_exact_from_bounded_modes(checkpoint, tmp_path):
@@ -71,18 +75,10 @@ def test_divergence_run_separates_exact_from_bounded_modes(checkpoint, tmp_path)
 def test_yoco_early_exit_has_no_divergence_and_every_policy_runs(tmp_path):
     """yoco: any decoder replay is exact (KL <= 1e-6); the cached_hidden policy at N = W needs
     N - m stored H_{L_e} positions, which the runner must keep (R_exact alone is 1)."""
-    run = tmp_path / "yoco"
-    done = subprocess.run(
-        [sys.executable, "-m", "ced.train", "model=yoco", "model.d_model=32", "model.n_heads=2",
-         "model.n_encoder_layers=2", "model.n_decoder_layers=2", "model.window=8",
-         "model.max_seq_len=128", "train.seq_len=64", "train.batch_size=4", "train.steps=5",
-         "train.eval_every=5", "train.threads=1", "train.progress=false", "logging=none",
-         "data=stdlib", f"hydra.run.dir={run}"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    final = train_tiny(tmp_path / "yoco", "model=yoco", steps=5)
     from evals.divergence import DivergenceConfig, PromptConfig, WandbConfig
     from evals.divergence import run as run_divergence
-    config = DivergenceConfig(checkpoints=[str(run / "final")], replays=[1, 4], lengths=[40],
+    config = DivergenceConfig(checkpoints=[str(final)], replays=[1, 4], lengths=[40],
                               steps=2, greedy_steps=3, turn_tokens=2, encoder_replays=["exact"],
                               bootstrap=10, prompts=PromptConfig(count=2),
                               wandb=WandbConfig(enabled=False))
