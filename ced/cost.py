@@ -19,7 +19,9 @@ FLOPs count matrix multiplications only, 2 per multiply-add (what
 not FLOPs here. Two countings of the attention-side terms:
   counting="executed": what ced/model.py runs. Queries go in blocks of `attention_block`; a
     block's window logits span the block plus the W-1 earlier positions (a masked rectangle);
-    a dense global read spans the entries visible to the block's last query; the lightning
+    a dense global read, and a top-k read that `global_read_is_masked` runs as a masked
+    matmul, span the entries visible to the block's last query (a gathered top-k read: its k
+    slots per query); the lightning
     indexer of a Full/Reindex layer scores every entry the source holds, visible or not.
     Tests hold this equal to FlopCounterMode on the real model, per inference mode.
   counting="causal": what an ideal kernel needs: each query scores only its own visible
@@ -40,7 +42,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .config import (LayerSpec, ModelConfig, build_plan, exact_replay_length, resolve_replay,
+from .config import (global_read_is_masked, LayerSpec, ModelConfig, build_plan, exact_replay_length, resolve_replay,
                      paper_replay_length)
 from .storage import StorageFormat, parse_storage
 
@@ -430,7 +432,12 @@ class _Walk:
             if source is not None:
                 m = source.compress_ratio
                 if self.counting == "executed":
-                    read = q * (min(cfg.topk, entries) if cfg.topk is not None else z // m)
+                    if cfg.topk is None:
+                        read = q * (z // m)
+                    else:   # the same per-block choice as ced.model.attend
+                        slots = min(cfg.topk, entries)
+                        masked = global_read_is_masked(cfg.global_read, q, z // m, slots)
+                        read = q * (z // m if masked else slots)
                     scored = q * entries
                 else:
                     read = (_sum_visible_capped(a, z, m, cfg.topk) if cfg.topk is not None

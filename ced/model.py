@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import LayerSpec, ModelConfig, build_plan
+from .config import LayerSpec, ModelConfig, build_plan, global_read_is_masked
 
 # ---------------------------------------------------------------------------------------------
 # The semantics: masks, replay starts, visibility and selection. Nothing else computes these.
@@ -218,20 +218,33 @@ def _gather_entries(entries: Tensor, index: Tensor) -> Tensor:
     return picked.view(b, h, *index.shape[1:], dh)
 
 
+def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
+    """Selected entries as a mask: index/valid [B, C, k] -> BoolTensor[B, C, n_read]. Padding
+    slots (valid False) go to a spare column that is cut off, so they never mark an entry."""
+    spare = torch.full_like(index, n_read)
+    target = torch.where(valid, index, spare).clamp_max(n_read)
+    mask = torch.zeros(*index.shape[:2], n_read + 1, dtype=torch.bool, device=index.device)
+    return mask.scatter_(-1, target, True)[..., :n_read]
+
+
 def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
            source: SourceKV | None, selection: Selection | None, sink: Tensor | None,
-           block: int, want_global_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+           block: int, want_global_probs: bool = False,
+           global_read: str = "auto") -> tuple[Tensor, Tensor | None]:
     """Attention of queries over their window keys and global entries, in query blocks.
 
     q: [B, H, Tq, Dh] (rotated) at query_positions [Tq]; lower: [B|1, Tq] from
     `window_lower_bound`; window: keys at ascending positions, or None (no window keys);
     source: the global KV read, or None; selection: top-k entries, or None/index None to read
-    every visible entry; sink: [H] logits that only enter the denominator.
+    every visible entry; sink: [H] logits that only enter the denominator; global_read:
+    how a top-k read runs per block (`ced.config.global_read_is_masked`: a gather of the k
+    entries, or one matmul over the visible entries with the unselected ones masked; the same
+    softmax over the same entries either way).
     Returns the output [B, H, Tq, Dh] and, if asked, the attention mass on global entries
     summed over heads, [B, Tq, k] (selected read) or [B, Tq, E] (dense read), detached.
     """
     b, h, n_queries, dh = q.shape
-    scale = 1.0 / math.sqrt(dh)
+    q = q * (1.0 / math.sqrt(dh))      # scaled once here rather than every block's logits
     sparse = selection is not None and selection.index is not None
     n_visible = visible_entries(query_positions, source.compress_ratio) if source else None
     outputs, global_probs = [], []
@@ -245,42 +258,52 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             first = int(torch.searchsorted(window.positions, low.min()))
             last = int(torch.searchsorted(window.positions, qpos[-1], right=True))
             kpos = window.positions[first:last]
-            seen = (kpos[None, None, :] >= low[:, :, None]) & (kpos[None, None, :] <= qpos[None, :, None])
-            wl = torch.matmul(qc, window.k[:, :, first:last].transpose(-1, -2)) * scale
-            logits.append(wl.masked_fill(~seen[:, None], -torch.inf))
+            hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
+            wl = torch.matmul(qc, window.k[:, :, first:last].transpose(-1, -2))
+            logits.append(wl.masked_fill(hidden[:, None], -torch.inf))
             values.append(window.v[:, :, first:last])
-        if source is not None and sparse:
-            idx, valid = selection.index[:, c0:c1], selection.valid[:, c0:c1]
-            gk, gv = _gather_entries(source.k, idx), _gather_entries(source.v, idx)
-            gl = torch.matmul(qc.unsqueeze(-2), gk.transpose(-1, -2)).squeeze(-2) * scale
-            logits.append(gl.masked_fill(~valid[:, None], -torch.inf))
-        elif source is not None:
+        masked = False
+        if source is not None:
             n_read = int(n_visible[c1 - 1])
-            gl = torch.matmul(qc, source.k[:, :, :n_read].transpose(-1, -2)) * scale
-            seen = torch.arange(n_read, device=q.device)[None, :] < n_visible[c0:c1, None]
-            logits.append(gl.masked_fill(~seen[None, None], -torch.inf))
+            if sparse:
+                idx, valid = selection.index[:, c0:c1], selection.valid[:, c0:c1]
+                masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1])
+            if sparse and not masked:
+                gk, gv = _gather_entries(source.k, idx), _gather_entries(source.v, idx)
+                gl = torch.matmul(qc.unsqueeze(-2), gk.transpose(-1, -2)).squeeze(-2)
+                logits.append(gl.masked_fill(~valid[:, None], -torch.inf))
+            else:
+                gl = torch.matmul(qc, source.k[:, :, :n_read].transpose(-1, -2))
+                if masked:
+                    hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
+                else:
+                    hidden = (torch.arange(n_read, device=q.device)[None, :]
+                              >= n_visible[c0:c1, None])[None, None]
+                logits.append(gl.masked_fill(hidden, -torch.inf))
         if sink is not None:
             logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c1 - c0, 1))
         probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-        out = qc.new_zeros(b, h, c1 - c0, dh)
-        at = 0
+        out, at = None, 0
         if window is not None:
             width = values[0].shape[2]
-            out = out + torch.matmul(probs[..., at:at + width], values[0])
-            at += width
+            out = torch.matmul(probs[..., :width], values[0])
+            at = width
         if source is not None:
             width = gl.shape[-1]
             gp = probs[..., at:at + width]
-            if sparse:
-                out = out + torch.matmul(gp.unsqueeze(-2), gv).squeeze(-2)
+            if sparse and not masked:
+                read = torch.matmul(gp.unsqueeze(-2), gv).squeeze(-2)
             else:
-                out = out + torch.matmul(gp, source.v[:, :, :width])
+                read = torch.matmul(gp, source.v[:, :, :width])
+            out = read if out is None else out + read
             if want_global_probs:
                 mass = gp.detach().sum(dim=1)
-                if not sparse:
+                if sparse and masked:     # back to the selection's slots [B, C, k]
+                    mass = torch.gather(F.pad(mass, (0, source.n_entries - width)), -1, idx)
+                elif not sparse:
                     mass = F.pad(mass, (0, source.n_entries - width))
                 global_probs.append(mass)
-        outputs.append(out)
+        outputs.append(out if out is not None else qc.new_zeros(b, h, c1 - c0, dh))
     result = torch.cat(outputs, dim=2)
     return result, (torch.cat(global_probs, dim=1) if global_probs else None)
 
@@ -437,7 +460,8 @@ class Attention(nn.Module):
                     selection = None
         train_indexer = ctx.want_aux and self.indexer is not None
         out, global_probs = attend(q, positions, lower, keys, source, selection, self.sink,
-                                   cfg.attention_block, want_global_probs=train_indexer)
+                                   cfg.attention_block, want_global_probs=train_indexer,
+                                   global_read=cfg.global_read)
         if train_indexer:
             ctx.indexer_kl.append(_indexer_kl(global_probs, selection, positions, source))
 

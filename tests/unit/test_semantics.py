@@ -151,3 +151,49 @@ def test_attend_gradients_through_the_sparse_read():
 
     inputs = [t.clone().requires_grad_() for t in (q, keys.k, keys.v, source.k, source.v)]
     assert torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), length=st.integers(1, 48), topk=st.integers(1, 7),
+       window=st.integers(1, 6), ratio=st.integers(1, 3), block=st.sampled_from([1, 5, 128]),
+       sink=st.booleans(), starts=st.lists(st.integers(0, 50), min_size=1, max_size=2))
+def test_masked_and_gathered_topk_reads_agree(seed, length, topk, window, ratio, block, sink,
+                                              starts):
+    """The two executions of a top-k read (ModelConfig.global_read) are one semantics: logits,
+    the indexer KL and every gradient agree in float64 to TOL, with replay starts, padding
+    slots (fewer visible entries than k), blocks and compression ratios that do not divide T."""
+    from conftest import make_model
+    window = max(window, ratio)
+    results = []
+    for mode in ("gather", "masked"):
+        cfg = tiny_config("ced", topk=topk, window=window, encoder_compress_ratio=ratio,
+                          decoder_compress_ratio=ratio, attention_block=block,
+                          attention_sink=sink, decoder_reindex_every=1, global_read=mode)
+        model = make_model(cfg, seed % 97)
+        ids = torch.randint(0, cfg.vocab_size, (2, length),
+                            generator=torch.Generator().manual_seed(seed))
+        logits, aux = model(ids, decoder_replay_start=torch.tensor([starts[0], starts[-1]]),
+                            return_aux=True)
+        (logits.square().mean() + aux["indexer_kl"]).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((logits, aux["indexer_kl"], grads))
+    (la, ka, ga), (lb, kb, gb) = results
+    assert torch.allclose(la, lb, rtol=0, atol=TOL)
+    assert torch.allclose(ka, kb, rtol=0, atol=TOL)
+    assert len(ga) == len(gb)
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, rtol=0, atol=TOL)
+
+
+def test_global_read_choice_follows_cost():
+    """auto: masked while the visible entries are few relative to the slots, gathered for a
+    single query (decode) or long caches; explicit modes are obeyed."""
+    from ced.config import MASKED_READ_MAX_RATIO, global_read_is_masked
+    assert global_read_is_masked("auto", 128, 512, 64)
+    assert global_read_is_masked("auto", 128, MASKED_READ_MAX_RATIO * 64, 64)
+    assert not global_read_is_masked("auto", 128, MASKED_READ_MAX_RATIO * 64 + 1, 64)
+    assert not global_read_is_masked("auto", 1, 16, 8)
+    assert global_read_is_masked("masked", 1, 10_000, 1)
+    assert not global_read_is_masked("gather", 128, 8, 8)
+    with pytest.raises(ValueError, match="ModelConfig.global_read"):
+        tiny_config("ced", topk=2, global_read="fast")

@@ -1,0 +1,190 @@
+"""Training speed of the four variants against a plain GPT of the same size (`make bench-peer`).
+
+Both sides have about 13M parameters: d_model 256, 16 layers (ced family: 8 encoder + 8
+decoder), 4 heads, vocab 259. The GPT (benchmarks/gpt.py) has a GELU MLP of width 4d; the ced
+family a SwiGLU MLP of width 683, so the MLP parameters match. ced: top-k 64, window 64,
+encoder compression 2 in 3 groups from layer 2, decoder compression 1, Reindex every 4.
+
+One figure = one AdamW training step (forward, backward, update) in one process. The models
+take turns step by step (interleaved, so a change in machine load hits all of them alike);
+after the warm-up rounds the median of `--steps` rounds is reported, as tokens/s and as a ratio
+to the GPT. Targets (issue 10): ced, dense and yoco >= 1.0x the GPT at both shapes; swa >= 1.3x
+at T = 2048.
+
+    python benchmarks/peer.py                       # both shapes, fp32, torch's threads
+    python benchmarks/peer.py --shapes 8x512 --steps 3 --variants ced
+
+Writes benchmarks/results/peer.json and peer.md (or --out DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+sys.path.insert(0, str(ROOT))
+
+from ced import CEDModel, ModelConfig  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+VARIANTS = ("dense", "swa", "yoco", "ced")
+COMMON = dict(vocab_size=259, d_model=256, n_heads=4, n_encoder_layers=8, n_decoder_layers=8,
+              window=64, d_ff=683, max_seq_len=2048)
+CED_FIELDS = dict(topk=64, global_from_layer=2, encoder_kv_groups=3, encoder_compress_ratio=2,
+                  decoder_compress_ratio=1, decoder_reindex_every=4)
+TARGETS = {"ced": 1.0, "dense": 1.0, "yoco": 1.0}
+SWA_TARGET_LONG = (2048, 1.3)
+
+
+def model_config(variant: str, **overrides) -> ModelConfig:
+    return ModelConfig(variant=variant, **COMMON, **(CED_FIELDS if variant == "ced" else {}),
+                       **overrides)
+
+
+def build(name: str, overrides: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=259, d_model=256, n_heads=4, n_layers=16,
+                             max_seq_len=2048))
+    return CEDModel(model_config(name, **overrides))
+
+
+def make_step(model: torch.nn.Module, ids: torch.Tensor, dtype: str):
+    """One AdamW step on next-token cross-entropy (+ the indexer KL for a model with one)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    indexed = isinstance(model, CEDModel) and model.cfg.topk is not None
+
+    def step() -> None:
+        with autocast:
+            if indexed:
+                logits, aux = model(ids, return_aux=True)
+                extra = aux["indexer_kl"]
+            else:
+                logits, extra = model(ids), 0.0
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+        (loss + extra).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench_shape(batch: int, length: int, names: list[str], steps: int, warmup: int,
+                dtype: str, overrides: dict) -> dict:
+    ids = torch.randint(0, 259, (batch, length), generator=torch.Generator().manual_seed(length))
+    models = {name: build(name, overrides) for name in names}
+    params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    step_fns = {name: make_step(m.train(), ids, dtype) for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + steps):
+        for name in names:
+            start = time.perf_counter()
+            step_fns[name]()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - start)
+        shown = "  ".join(f"{n} {times[n][-1]:.2f}s" for n in names if times[n])
+        print(f"  {batch}x{length} round {round_ + 1}/{warmup + steps}"
+              f"{' (warm-up)' if round_ < warmup else ''}  {shown}", flush=True)
+    tokens = batch * length
+    out = {}
+    for name in names:
+        median = statistics.median(times[name])
+        out[name] = {"params": params[name], "times_s": times[name], "median_s": median,
+                     "tokens_per_s": tokens / median}
+    for name in names:
+        out[name]["ratio_to_gpt"] = out[name]["tokens_per_s"] / out["gpt"]["tokens_per_s"]
+    return out
+
+
+def check_targets(results: dict) -> list[str]:
+    failures = []
+    for shape, row in results.items():
+        length = int(shape.split("x")[1])
+        for name, target in TARGETS.items():
+            if name in row and row[name]["ratio_to_gpt"] < target:
+                failures.append(f"{name} at {shape}: {row[name]['ratio_to_gpt']:.2f}x < {target}x")
+        if "swa" in row and length == SWA_TARGET_LONG[0] and \
+                row["swa"]["ratio_to_gpt"] < SWA_TARGET_LONG[1]:
+            failures.append(f"swa at {shape}: {row['swa']['ratio_to_gpt']:.2f}x < "
+                            f"{SWA_TARGET_LONG[1]}x")
+    return failures
+
+
+def markdown(results: dict, meta: dict) -> str:
+    names = [n for n in ("gpt", *VARIANTS) if n in next(iter(results.values()))]
+    lines = [f"Training step (fwd + bwd + AdamW), {meta['dtype']}, {meta['threads']} threads, "
+             f"median of {meta['steps']} interleaved steps; torch {meta['torch']}.", "",
+             "| B x T | " + " | ".join(names) + " |",
+             "|---|" + "---|" * len(names)]
+    for shape, row in results.items():
+        cells = []
+        for n in names:
+            r = row[n]
+            cells.append(f"{r['ratio_to_gpt']:.2f}x ({r['tokens_per_s']:.0f} tok/s)")
+        lines.append(f"| {shape.replace('x', ' x ')} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Parameters: " + ", ".join(
+        f"{n} {next(iter(results.values()))[n]['params'] / 1e6:.2f}M" for n in names))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="8x512,2x2048", help="comma-separated BxT")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds (median)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="ModelConfig override for the ced-family models, e.g. "
+                             "--set global_read=auto (JSON values)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    names = ["gpt"] + [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [n for n in names[1:] if n not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; allowed: {list(VARIANTS)}")
+    results = {}
+    for shape in args.shapes.split(","):
+        batch, length = (int(x) for x in shape.lower().split("x"))
+        print(f"[bench-peer] {batch} x {length}", flush=True)
+        results[f"{batch}x{length}"] = bench_shape(batch, length, names, args.steps,
+                                                   args.warmup, args.dtype, overrides)
+    meta = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": args.steps,
+            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+            "overrides": overrides}
+    table = markdown(results, meta)
+    print(table)
+    failures = check_targets(results)
+    print("targets: " + ("all met" if not failures else "MISSED: " + "; ".join(failures)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "peer.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                    "missed": failures}, indent=2))
+    (args.out / "peer.md").write_text(table)
+    print(f"wrote {args.out / 'peer.json'} and {args.out / 'peer.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
