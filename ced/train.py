@@ -60,6 +60,19 @@ def sample_replay_starts(sim: ReplaySimulation, row_ids: torch.Tensor, seq_len: 
     return starts
 
 
+# ---- loss weights ------------------------------------------------------------------------------
+
+def token_weights(batch: dict, loss_on: str, answer_weight: float) -> torch.Tensor:
+    """Per-target loss weight FloatTensor[B, T]: 0 where there is no target (label -100);
+    loss_on="answers": 1 on the answer tokens of synthetic examples, 0 elsewhere;
+    loss_on="all": `answer_weight` on answer tokens, 1 on every other target."""
+    has_target = batch["labels"] != -100
+    answer = batch["answer_mask"] & has_target
+    if loss_on == "answers":
+        return answer.float()
+    return torch.where(answer, float(answer_weight), has_target.float())
+
+
 # ---- schedule ----------------------------------------------------------------------------------
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -127,15 +140,20 @@ def evaluate(model, source, cfg: TrainConfig, accelerator) -> dict[str, float]:
     model.eval()
     t = cfg.train
     total_loss, total_tokens = 0.0, 0
+    answer_loss, answer_tokens = 0.0, 0
     hits: dict[str, list[float]] = {}
     for i in range(t.eval_batches):
         batch = source.rows(i * t.batch_size, t.batch_size, t.seq_len)
         labels = batch["labels"].to(accelerator.device)
         with accelerator.autocast():
             logits = model(batch["input_ids"].to(accelerator.device))
-        total_loss += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                      ignore_index=-100, reduction="sum").item()
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                    ignore_index=-100, reduction="none")
+        total_loss += per_token.sum().item()
         total_tokens += int((labels != -100).sum())
+        answers = (batch["answer_mask"] & (batch["labels"] != -100)).flatten()
+        answer_loss += per_token[answers.to(per_token.device)].sum().item()
+        answer_tokens += int(answers.sum())
         scores = answer_accuracy(logits.argmax(-1).cpu(), batch, source.families)
         for family, score in scores.items():
             done = hits.setdefault(family, [0.0, 0])
@@ -143,6 +161,8 @@ def evaluate(model, source, cfg: TrainConfig, accelerator) -> dict[str, float]:
             done[1] += score["examples"]
     model.train()
     metrics = {"val/loss": total_loss / max(total_tokens, 1)}
+    if answer_tokens:
+        metrics["val/answer_loss"] = answer_loss / answer_tokens
     for family, (correct, examples) in sorted(hits.items()):
         metrics[f"val/acc/{family}"] = correct / examples
     return metrics
@@ -255,17 +275,23 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
             batch["replay_starts"] = sample_replay_starts(
                 t.replay, torch.arange(first, first + per_rank), t.seq_len, t.seed)
             micro_batches.append(batch)
-        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+        for batch in micro_batches:
+            batch["weights"] = token_weights(batch, t.loss_on, t.answer_weight)
+        local_tokens = sum(float(b["weights"].sum()) for b in micro_batches)
         # Normalise by the loss-bearing tokens of the whole step over every process, so the
         # gradient is the same whatever the process count and accumulation split.
-        global_tokens = int(accelerator.reduce(
+        global_tokens = float(accelerator.reduce(
             torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
+        if global_tokens <= 0 and t.loss_on == "answers":
+            raise ConfigError("train.loss_on: 'answers' but a training step has no answer "
+                              "tokens (only synthetic tasks mark answers); use 'all'")
         dense_read = step < t.indexer_warmup_steps
         step_loss = torch.zeros((), device=accelerator.device)
         step_kl = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             ids = batch["input_ids"].to(accelerator.device)
             labels = batch["labels"].to(accelerator.device)
+            weights = batch["weights"].to(accelerator.device)
             starts = batch["replay_starts"]
             starts = None if starts is None else starts.to(accelerator.device)
             with accelerator.accumulate(model):
@@ -274,10 +300,11 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
                         ids, decoder_replay_start=starts if cfg.model.has_decoder else None,
                         encoder_replay_start=starts if t.replay.encoder else None,
                         return_aux=True, dense_global_read=dense_read)
-                token_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                             ignore_index=-100, reduction="sum")
+                token_loss = (F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                              ignore_index=-100, reduction="none")
+                              * weights.flatten()).sum()
                 # accelerate divides by grad_accum and DDP averages over processes: undo both.
-                scale = world * t.grad_accum / max(global_tokens, 1)
+                scale = world * t.grad_accum / max(global_tokens, 1e-12)
                 accelerator.backward(token_loss * scale
                                      + t.indexer_kl_weight * aux["indexer_kl"])
                 if accelerator.sync_gradients and o.grad_clip:
@@ -287,7 +314,7 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
             step_loss += token_loss.detach()
             step_kl += aux["indexer_kl"].detach().float() / t.grad_accum
         total = accelerator.reduce(torch.stack([step_loss, step_kl]), reduction="sum")
-        loss_value = total[0].item() / max(global_tokens, 1)
+        loss_value = total[0].item() / max(global_tokens, 1e-12)
         kl_value = total[1].item() / world
         if not math.isfinite(loss_value):
             saved = checkpoint_dirs(run_dir)

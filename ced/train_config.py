@@ -100,6 +100,11 @@ class TrainLoopConfig:
     indexer_warmup_steps: int = 0   # read every global entry (dense) for this many steps
     threads: Optional[int] = None   # torch intra-op threads; null keeps torch's default
     progress: bool = True
+    # Which next-token targets carry the loss: "all", or "answers" (the answer tokens of
+    # synthetic examples only; filler and task prompts are unpredictable by design).
+    loss_on: str = "all"
+    # With loss_on=all: the weight of an answer token relative to any other token.
+    answer_weight: float = 1.0
     replay: ReplaySimulation = field(default_factory=ReplaySimulation)
 
     def __post_init__(self) -> None:
@@ -118,6 +123,11 @@ class TrainLoopConfig:
                  self.indexer_warmup_steps)
         _require(self.threads is None or self.threads >= 1, "train.threads",
                  "must be null or >= 1", self.threads)
+        _require(self.loss_on in ("all", "answers"), "train.loss_on",
+                 "must be 'all' or 'answers'", self.loss_on)
+        _require(isinstance(self.answer_weight, (int, float)) and 0 < self.answer_weight
+                 < float("inf"), "train.answer_weight", "must be a finite number > 0",
+                 self.answer_weight)
         if isinstance(self.replay, dict):
             self.replay = ReplaySimulation(**self.replay)
 

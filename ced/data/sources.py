@@ -116,6 +116,11 @@ class SyntheticSource(_RowSource):
             first = len(ids) + len(prompt) - 1     # labels[first] = answer[0]
             mask[first:first + len(answer)] = True
             fams[first:first + len(answer)] = t
+            # Answers inside the context (multi-query training): context byte c is the
+            # target of labels[len(ids) + c] (prompt = [BOS] + context).
+            for start, size in ex.meta.get("answer_spans", ()):
+                mask[len(ids) + start:len(ids) + start + size] = True
+                fams[len(ids) + start:len(ids) + start + size] = t
             ids += prompt + answer
         else:
             raise ValueError(f"{self.key}.tasks: no example fits seq_len={seq_len} in 1000 draws")

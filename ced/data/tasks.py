@@ -237,12 +237,16 @@ def _distinct_strings(rng: random.Random, alphabet: str, size: int, count: int) 
 @task("kv_recall")
 def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len: int = 1,
               key_alphabet: str = UPPER, value_alphabet: str = DIGITS,
-              distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32):
-    """Associative recall (zoology's MQAR, one query): can the model look up a key's value?
+              distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32,
+              queries: int = 1):
+    """Associative recall (zoology's MQAR): can the model look up a key's value?
 
     context: `K=7 ` pairs, the queried one among them, filler around, then `?K=`; target `7`.
     E.g. "Q=3 ba K=7 X=1 kolu T=0 ?K=" -> "7". Keys distinct; the queried pair has width
     key_len + value_len + 2 and `distance` counts from its key's first byte.
+    queries > 1 (a training option, as in MQAR): `queries - 1` other keys are asked and
+    answered first, "... ?X=1 ?T=0 ?K=" -> "7"; their values are marked as answers too
+    (meta["answer_spans"]), so one example supervises `queries` look-ups.
     """
     f = "kv_recall"
     n_pairs = _int(f, "n_pairs", n_pairs, 1)
@@ -257,14 +261,28 @@ def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len:
     keys = _distinct_strings(rng, key_alphabet, key_len, n_pairs)
     values = ["".join(rng.choice(value_alphabet) for _ in range(value_len)) for _ in keys]
     pairs = [f"{k}={v} " for k, v in zip(keys, values)]
+    queries = _int(f, "queries", queries, 1)
+    if queries > n_pairs:
+        raise TaskParamError(f, "queries", f"must be <= n_pairs ({n_pairs}), got {queries}")
     q = rng.randrange(n_pairs)
     others = pairs[:q] + pairs[q + 1:]
     rng.shuffle(others)
-    query = f"?{keys[q]}="
+    # Drawn only when asked for, so that queries=1 keeps the single-query examples as they were.
+    asked = ([i for i in rng.sample(range(n_pairs), n_pairs) if i != q][:queries - 1]
+             if queries > 1 else [])
+    query = "".join(f"?{keys[i]}={values[i]} " for i in asked) + f"?{keys[q]}="
     _min_distance(f, distance, len(pairs[q]) + len(query))
     gap = None if distance is None else distance - len(pairs[q]) - len(query)
     context, (offset,) = _layout(rng, f, [pairs[q]], others, query, [gap], length, filler)
-    return context, values[q], {"distance": len(context) - offset}
+    spans, at = [], len(context) - len(query)
+    for i in asked:
+        at += len(keys[i]) + 2
+        spans.append((at, len(values[i])))
+        at += len(values[i]) + 1
+    meta = {"distance": len(context) - offset}
+    if spans:
+        meta["answer_spans"] = spans
+    return context, values[q], meta
 
 
 @task("copy")

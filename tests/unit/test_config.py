@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from ced.config import (
@@ -382,3 +383,20 @@ def test_booleans_are_not_integers(field):
                        decoder_compress_ratio=1)
     with pytest.raises(ValueError, match=rf"^ModelConfig\.{field}:"):
         replace(base, **{field: True})
+
+
+def test_token_weights_select_the_loss_bearing_targets():
+    """loss_on=answers: answer targets only; loss_on=all: every target, answers weighted;
+    positions without a target (label -100) never carry weight."""
+    from ced.train import token_weights
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        labels = torch.randint(-1, 5, (3, 17), generator=gen)
+        labels[labels < 0] = -100
+        answers = torch.rand(3, 17, generator=gen) < 0.3
+        batch = {"labels": labels, "answer_mask": answers}
+        only = token_weights(batch, "answers", 1.0)
+        assert torch.equal(only, (answers & (labels != -100)).float())
+        weighted = token_weights(batch, "all", 4.0)
+        expected = torch.where(answers & (labels != -100), 4.0, (labels != -100).float())
+        assert torch.equal(weighted, expected)

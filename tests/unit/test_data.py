@@ -457,3 +457,52 @@ def test_conf_files_and_hydra_schema():
         build_source(cfgs["hf"], "train")
     OmegaConf.update(cfgs["synthetic"], "tasks.needle", None, merge=True)   # data.tasks.needle=null
     assert build_source(cfgs["synthetic"], "train").families == FAMILIES[:4]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("queries", [2, 4, 6])
+def test_kv_recall_queries_mark_every_answer(seed, queries):
+    """Multi-query kv_recall (training option): every marked context span is the value of the
+    key asked just before it, the keys asked are distinct, and the final query is the target."""
+    ex = make_example("kv_recall", seed, n_pairs=6, queries=queries, filler=8)
+    pairs = dict(p.split("=") for p in ex.context.split(" ") if len(p) == 3 and p[1] == "=")
+    spans = ex.meta["answer_spans"]
+    assert len(spans) == queries - 1
+    asked = []
+    for start, size in spans:
+        assert ex.context[start - 3:start - 1] == "?" + ex.context[start - 2] and \
+            ex.context[start - 1] == "="
+        key = ex.context[start - 2]
+        assert ex.context[start:start + size] == pairs[key]
+        asked.append(key)
+    final = ex.context[-2]
+    assert ex.context.endswith(f"?{final}=") and ex.target == pairs[final]
+    assert len(set(asked + [final])) == queries
+
+
+def test_kv_recall_single_query_examples_unchanged_by_the_option():
+    """queries=1 draws nothing extra: the examples the suites and golden files use stay put."""
+    for seed in range(20):
+        a = make_example("kv_recall", seed)
+        b = make_example("kv_recall", seed, queries=1)
+        assert (a.context, a.target, a.meta) == (b.context, b.target, b.meta)
+        assert "answer_spans" not in a.meta
+    with pytest.raises(ValueError, match="data.tasks.kv_recall.queries"):
+        make_example("kv_recall", 0, n_pairs=3, queries=4)
+
+
+def test_rows_mark_context_answers_for_multi_query_examples():
+    source = build_source({"kind": "synthetic", "tasks": {
+        "kv_recall": {"weight": 1.0, "n_pairs": 5, "queries": 5, "filler": 4}}}, "train")
+    batch = source.rows(0, 6, 128)
+    for row in range(6):
+        ids, labels = batch["input_ids"][row].tolist(), batch["labels"][row].tolist()
+        marked = batch["answer_mask"][row].nonzero().flatten().tolist()
+        values = [p for p in marked if labels[p] != TOK.eos]
+        assert values
+        for p in values:     # each marked value follows "?K=" and equals K's value in context
+            assert TOK.decode(ids[p - 2:p + 1])[0] == "?" and TOK.decode(ids[p:p + 1]) == "="
+            start = max(i for i in range(p + 1) if ids[i] == TOK.bos)
+            text = TOK.decode(ids[start + 1:p + 1])
+            key = text[-2]
+            assert f"{key}={TOK.decode([labels[p]])} " in text.split("?")[0]
