@@ -33,6 +33,7 @@ class DataConfig:
     mixture (mixture): list of component configs (the keys above) each with a `weight`; a
       component without `seed` inherits this one.
     seed: seeds every random choice (example draws, window offsets, mixture picks).
+    curriculum_rows (synthetic): see the field's comment below.
     """
 
     kind: str = "synthetic"
@@ -44,6 +45,12 @@ class DataConfig:
     validation_fraction: float = 0.05
     mixture: Optional[List[Any]] = None
     seed: int = 0
+    # synthetic, training split only: a curriculum over layout difficulty. Training row r gets
+    # each task's `filler` scaled by min(1, (r + 1) / curriculum_rows), so facts start next to
+    # their queries and move out to the configured spread; 0: no curriculum. Rows are global
+    # indices (step * batch_size + ...), so the curriculum spans curriculum_rows / batch_size
+    # steps whatever the process count. Validation rows always have the full spread.
+    curriculum_rows: int = 0
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(DataConfig))

@@ -81,9 +81,10 @@ class SyntheticSource(_RowSource):
     """Rows of packed synthetic examples. tasks: name -> (family, weight, params)."""
 
     def __init__(self, tasks: dict[str, tuple[str, float, dict]], seed: int, split: str,
-                 key: str = "data"):
+                 key: str = "data", curriculum_rows: int = 0):
         self.families = list(tasks)
         self.tasks, self.seed, self.split, self.key = tasks, seed, split, key
+        self.curriculum_rows = curriculum_rows if split == "train" else 0
         self._weights = [w for _, w, _ in tasks.values()]
         self._fits: set[int] = set()
 
@@ -97,6 +98,15 @@ class SyntheticSource(_RowSource):
                                  f"lower its length/filler/size params or raise seq_len")
         self._fits.add(seq_len)
 
+    def _params_at(self, family: str, params: dict, r: int) -> dict:
+        """A task's params for row r: `filler` ramped up over the first curriculum_rows rows."""
+        if not self.curriculum_rows or r >= self.curriculum_rows:
+            return params
+        full = params.get("filler", TASKS[family].defaults.get("filler"))
+        if full is None:            # a generator without a filler parameter
+            return params
+        return {**params, "filler": int(full * (r + 1) / self.curriculum_rows)}
+
     def row(self, r: int, seq_len: int) -> Row:
         if seq_len not in self._fits:
             self._check_fits(seq_len)
@@ -107,7 +117,7 @@ class SyntheticSource(_RowSource):
         for attempt in range(1000):
             t = rng.choices(range(len(self.families)), weights=self._weights)[0]
             family, _, params = self.tasks[self.families[t]]
-            ex = make_example(family, rng.getrandbits(64), **params)
+            ex = make_example(family, rng.getrandbits(64), **self._params_at(family, params, r))
             prompt, answer = ex.prompt_ids, ex.answer_ids
             if len(ids) + len(prompt) + len(answer) > seq_len:
                 if ids:
@@ -219,7 +229,9 @@ def _build(c: dict[str, Any], split: str, key: str) -> _RowSource:
     seed = check_int(f"{key}.seed", c["seed"], 0)
 
     if kind == "synthetic":
-        return SyntheticSource(parse_tasks(c["tasks"], f"{key}.tasks"), seed, split, key)
+        curriculum = check_int(f"{key}.curriculum_rows", c["curriculum_rows"], 0)
+        return SyntheticSource(parse_tasks(c["tasks"], f"{key}.tasks"), seed, split, key,
+                               curriculum)
 
     if kind == "mixture":
         comps = plain(c["mixture"])

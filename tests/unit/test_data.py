@@ -506,3 +506,29 @@ def test_rows_mark_context_answers_for_multi_query_examples():
             text = TOK.decode(ids[start + 1:p + 1])
             key = text[-2]
             assert f"{key}={TOK.decode([labels[p]])} " in text.split("?")[0]
+
+
+def test_curriculum_ramps_filler_on_training_rows_only():
+    """data.curriculum_rows: early training rows pack more, shorter examples (filler scaled
+    towards 0), later rows and every validation row have the configured spread, and rows stay a
+    pure function of their index."""
+    tasks = {"kv_recall": {"weight": 1.0, "filler": 64}, "copy": {"weight": 1.0}}
+    ramped = build_source({"kind": "synthetic", "tasks": tasks, "curriculum_rows": 400},
+                          "train")
+    plain_train = build_source({"kind": "synthetic", "tasks": tasks}, "train")
+
+    def examples_per_row(source, start):
+        batch = source.rows(start, 40, 256)
+        return (batch["input_ids"] == TOK.bos).sum().item() / 40
+
+    assert examples_per_row(ramped, 0) > 1.5 * examples_per_row(plain_train, 0)
+    late = ramped.rows(400, 8, 256)
+    assert torch.equal(late["input_ids"], plain_train.rows(400, 8, 256)["input_ids"])
+    assert torch.equal(ramped.rows(3, 5, 256)["input_ids"], ramped.rows(3, 5, 256)["input_ids"])
+    val_ramped = build_source({"kind": "synthetic", "tasks": tasks, "curriculum_rows": 400},
+                              "validation")
+    val_plain = build_source({"kind": "synthetic", "tasks": tasks}, "validation")
+    assert torch.equal(val_ramped.rows(0, 8, 256)["input_ids"],
+                       val_plain.rows(0, 8, 256)["input_ids"])
+    with pytest.raises(ValueError, match="data.curriculum_rows"):
+        build_source({"kind": "synthetic", "curriculum_rows": -1}, "train")
