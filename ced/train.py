@@ -362,29 +362,53 @@ class _Progress:
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
+class JobFailed(RuntimeError):
+    """A job of a multirun that stopped on a bad config or a diverged loss. Raised (not
+    sys.exit) so that Hydra's launcher records the failure and runs the sweep's other jobs;
+    the message is the same one line a single run prints."""
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _fail(line: str, code: int) -> None:
+    """Print the one-line reason; a single run exits with `code`, a multirun job raises."""
+    print(line, file=sys.stderr, flush=True)
+    if _is_multirun():
+        raise JobFailed(line)
+    sys.exit(code)
+
+
 def _hydra_task(cfg) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
+    hydra_cfg = HydraConfig.get()
+    metrics: dict = {}
     try:
         config = validate(cfg)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if config.logging.name is None and hydra_cfg.job.override_dirname:
+            # A sweep's runs are named by what varies (group and folder keys excluded in
+            # conf/train.yaml), so the dashboard tells them apart without opening configs.
+            config.logging.name = hydra_cfg.job.override_dirname
+        run_dir = Path(hydra_cfg.runtime.output_dir)
         if int(os.environ.get("RANK", "0")) == 0:
             (run_dir).mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
         metrics = train(config, run_dir)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _fail(f"config error: {exc}", 2)
     except TrainingDiverged as exc:
-        print(f"training stopped: {exc}", file=sys.stderr)
-        sys.exit(3)
+        _fail(f"training stopped: {exc}", 3)
     finally:
         if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
-            shutil.rmtree(HydraConfig.get().runtime.output_dir, ignore_errors=True)
+            shutil.rmtree(hydra_cfg.runtime.output_dir, ignore_errors=True)
     return metrics.get("val/loss", metrics.get("loss"))
 
 
-GROUPS = ("model", "data", "optim", "train", "logging")
+GROUPS = ("model", "data", "optim", "train", "logging", "debug")
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -398,7 +422,8 @@ def check_overrides(overrides: list[str]) -> None:
         parts = key.split(".")
         if len(parts) == 1:
             if key not in GROUPS:
-                raise ConfigError(f"{key}: unknown config group; allowed: {list(GROUPS)}")
+                raise ConfigError(f"{key}: unknown config group; allowed: "
+                                  f"{list(GROUPS) + ['experiment']}")
             continue
         node = TrainConfig()
         for depth, part in enumerate(parts):
@@ -411,15 +436,58 @@ def check_overrides(overrides: list[str]) -> None:
             node = getattr(node, part)
 
 
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].lstrip("+~")
+
+
+def expand_experiment(overrides: list[str]) -> list[str]:
+    """`experiment=<study>` -> the study's shared `train` overrides (conf/experiment/<study>.yaml,
+    scale demo), placed before the other overrides; a key the command line also sets is taken
+    from the command line. This is the preset of lightning-hydra-template's `experiment=`:
+    `python -m ced.train experiment=demo model=yoco` trains like the demo study's yoco job.
+    Studies are override lists for several jobs, not config fragments, so the expansion happens
+    here rather than in Hydra's defaults list."""
+    chosen = [o for o in overrides if _override_key(o) == "experiment"]
+    if not chosen:
+        return list(overrides)
+    if len(chosen) > 1 or "," in chosen[0]:
+        raise ConfigError("experiment: one study per run (a sweep over studies is "
+                          "`python -m experiments.run -m study=a,b`); got "
+                          + " ".join(chosen))
+    from experiments.study import StudyError, load_study
+    try:
+        study = load_study(chosen[0].split("=", 1)[1])
+    except StudyError as exc:
+        raise ConfigError(f"experiment: {exc}") from None
+    rest = [o for o in overrides if o not in chosen]
+    given = {_override_key(o) for o in rest if "=" in o}
+    preset = [o for o in study.train if _override_key(o) not in given]
+    return preset + rest
+
+
+def _check_launcher(overrides: list[str]) -> None:
+    """hydra/launcher=slurm needs the optional plugin; say how to get it, in one line, instead
+    of Hydra's 'Could not find submitit_slurm' from deep in the defaults list."""
+    if not any(o.replace(" ", "") == "hydra/launcher=slurm" for o in overrides):
+        return
+    import importlib.util
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        raise ConfigError("hydra/launcher=slurm: needs hydra-submitit-launcher, the `slurm` "
+                          "extra: pip install -e '.[slurm]' (or pip install 'ced[slurm]')")
+
+
 def main() -> None:
     """Console entry: Hydra main over conf/train.yaml. Processes other than rank 0 of a
     distributed launch keep Hydra from writing anything (rank 0's directory is broadcast)."""
     import hydra
     try:
-        check_overrides(sys.argv[1:])
+        args = expand_experiment(sys.argv[1:])
+        check_overrides(args)
+        _check_launcher(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
+    sys.argv[1:] = args
     if int(os.environ.get("RANK", "0")) > 0:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none",
                      "hydra/hydra_logging=none",

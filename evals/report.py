@@ -34,13 +34,27 @@ def load_status(study: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def load_runs(study: Path) -> dict[str, dict]:
-    """job -> {"config": model config (final/config.json, else config.yaml's model),
-    "metrics": DataFrame of metrics.jsonl, "run_dir": Path}."""
-    runs = {}
-    for run_dir in sorted((Path(study) / "runs").glob("*")):
-        if not run_dir.is_dir():
+def _run_dirs(root: Path) -> list[tuple[str, Path]]:
+    """(label, directory) of every run (or suite run) under `root`: `<job>/seed<k>` for the
+    study driver's per-seed layout, `<job>` for a directory that holds a run itself."""
+    found = []
+    for top in sorted(Path(root).glob("*")):
+        if not top.is_dir() or ".old-" in top.name:
             continue
+        seeds = sorted((d for d in top.glob("seed*") if d.is_dir() and ".old-" not in d.name),
+                       key=lambda d: (len(d.name), d.name))
+        if seeds:
+            found += [(f"{top.name}/{d.name}", d) for d in seeds]
+        else:
+            found.append((top.name, top))
+    return found
+
+
+def load_runs(study: Path) -> dict[str, dict]:
+    """run label (`<job>/seed<k>`) -> {"config": model config (final/config.json), "metrics":
+    DataFrame of metrics.jsonl, "run_dir": Path, "final": final/ or None}."""
+    runs = {}
+    for label, run_dir in _run_dirs(Path(study) / "runs"):
         metrics_path = run_dir / "metrics.jsonl"
         rows = []
         if metrics_path.exists():
@@ -51,15 +65,21 @@ def load_runs(study: Path) -> dict[str, dict]:
         final = run_dir / "final" / "config.json"
         if final.exists():
             config = json.loads(final.read_text())
-        runs[run_dir.name] = {"config": config, "metrics": pd.DataFrame(rows),
-                              "run_dir": run_dir, "final": final.parent if config else None}
+        runs[label] = {"config": config, "metrics": pd.DataFrame(rows),
+                       "run_dir": run_dir, "final": final.parent if config else None}
     return runs
 
 
 def job_of_checkpoint(path: str) -> str:
-    """.../runs/<job>/final -> <job>."""
+    """.../runs/<job>/seed<k>/final -> <job>/seed<k> (.../runs/<job>/final -> <job>)."""
     p = Path(path)
-    return p.parent.name if p.name == "final" else p.name
+    run = p.parent if p.name == "final" else p
+    return f"{run.parent.name}/{run.name}" if run.name.startswith("seed") else run.name
+
+
+def file_label(label: str) -> str:
+    """A run or suite label as part of a file name."""
+    return label.replace("@", "_").replace("/", "_")
 
 
 def load_divergence(study: Path) -> pd.DataFrame:
@@ -77,18 +97,18 @@ def load_suite(study: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(summary of every suite run with a `label` column, capability drops with `label`,
     label -> run info of the suite's summary.json)."""
     summaries, drops, info = [], [], {}
-    for out in sorted((Path(study) / "suite").glob("*")):
+    for label, out in _run_dirs(Path(study) / "suite"):
         path = out / "summary.json"
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        info[out.name] = data["run"]
+        info[label] = data["run"]
         summary = pd.DataFrame(data["summary"])
-        summary["label"] = out.name
+        summary["label"] = label
         summaries.append(summary)
         if data.get("capability_drop"):
             d = pd.DataFrame(data["capability_drop"])
-            d["label"] = out.name
+            d["label"] = label
             drops.append(d)
     summary = pd.concat(summaries, ignore_index=True) if summaries else pd.DataFrame()
     drop = pd.concat(drops, ignore_index=True) if drops else pd.DataFrame()
@@ -419,8 +439,10 @@ tr:nth-child(even){background:#f8f8f8}img{max-width:100%;border:1px solid #ddd;m
 overflow-x:auto;font-size:11px}.note{color:#555;font-size:13px}"""
 
 
-def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> Path:
-    """Write <study>/report/{report.md, report.html, *.png, *.csv}; returns report.html."""
+def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
+                 group: str | None = None, project: str = "ced") -> Path:
+    """Write <study>/report/{report.md, report.html, *.png, *.csv}; returns report.html.
+    The wandb run goes to `project`, in `group` (default: the study's name)."""
     study = Path(study).resolve()
     out = study / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -449,7 +471,7 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
         plots.append(("divergence", p, "KL(exact || replay N) and top-1 agreement at the "
                       "first generated token against N, mean and bootstrap 95% CI over prompts."))
     for label in info:
-        p = plot_accuracy(suite, info, label, out / f"accuracy_{label.replace('@', '_')}.png")
+        p = plot_accuracy(suite, info, label, out / f"accuracy_{file_label(label)}.png")
         if p:
             plots.append(("accuracy", p, f"{label}: edge-case suite accuracy against the fact's "
                           "distance, per family and inference mode."))
@@ -520,9 +542,11 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
     (out / "report.html").write_text(page)
     if wandb:
         try:
-            _log_wandb(name, out, plots, {"training": train_tab, "divergence": div_tab,
-                                          "accuracy": acc_tab, "cost_quality": cost,
-                                          "capability_drop": drop_tab})
+            _log_wandb(group or name, out, plots,
+                       {"training": train_tab, "divergence": div_tab, "accuracy": acc_tab,
+                        "cost_quality": cost, "capability_drop": drop_tab},
+                       config={"study_dir": str(study), **status}, project=project,
+                       name=f"{name}-report")
         except Exception as exc:     # wandb is a copy of the report; never fail it
             print(f"[report] wandb logging skipped: {exc}", file=sys.stderr)
     if not quiet:
@@ -531,11 +555,14 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
     return out / "report.html"
 
 
-def _log_wandb(group: str, out: Path, plots, tables: dict) -> None:
-    """The report's plots and tables as one wandb run (job_type=report) in the study's group;
-    offline unless WANDB_MODE says otherwise."""
+def _log_wandb(group: str, out: Path, plots, tables: dict, config: dict | None = None,
+               project: str = "ced", name: str | None = None) -> None:
+    """The report's plots and tables as one wandb run (job_type=report) in the study's group,
+    with the study's status (steps, seeds, scale) as its config; offline unless WANDB_MODE
+    says otherwise."""
     import wandb
-    run = wandb.init(project="ced", group=group, job_type="report", name=f"{group}-report",
+    run = wandb.init(project=project, group=group, job_type="report",
+                     name=name or f"{group}-report", config=config or {},
                      mode=os.environ.get("WANDB_MODE", "offline"), dir=str(out),
                      settings=wandb.Settings(silent=True))
     log = {f"plots/{p.stem}": wandb.Image(str(p)) for _, p, _ in plots}
@@ -552,8 +579,11 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study_dir")
     parser.add_argument("--no-wandb", action="store_true")
+    parser.add_argument("--wandb-project", default="ced", help="the one project of every run")
+    parser.add_argument("--wandb-group", default=None, help="default: the study's name")
     args = parser.parse_args(argv)
-    path = build_report(args.study_dir, wandb=not args.no_wandb)
+    path = build_report(args.study_dir, wandb=not args.no_wandb, group=args.wandb_group,
+                        project=args.wandb_project)
     print(f"report: {path}")
     return 0
 

@@ -376,8 +376,8 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
               topk: int | str | None = None, extra_distances: Iterable[int] = (),
               max_length: int | None = None, needle_distractors: int | None = None,
               alpha: float = 0.05, seed_offset: int = 0, make_plot: bool = True,
-              wandb: bool = False, wandb_project: str = "ced-suite",
-              progress: bool = True) -> dict:
+              wandb: bool = False, wandb_project: str = "ced",
+              wandb_group: str | None = None, progress: bool = True) -> dict:
     """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings"}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -425,7 +425,7 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
                              title=f"{Path(checkpoint).name}: {cfg.variant}, W={cfg.window}, "
                                    f"R_exact={settings.r_exact}")
     if wandb:
-        _log_wandb(wandb_project, run_info, summary, drops, paths, out)
+        _log_wandb(wandb_project, run_info, summary, drops, paths, out, group=wandb_group)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return {"summary": summary, "drops": drops, "tests": tests, "rows": rows, "paths": paths,
@@ -433,11 +433,13 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
 
 
 def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[dict],
-               paths: dict, out: Path) -> None:
-    """Offline unless WANDB_MODE says otherwise; `wandb sync <out>/wandb/offline-run-*`."""
+               paths: dict, out: Path, group: str | None = None) -> None:
+    """Offline unless WANDB_MODE says otherwise; `wandb sync <out>/wandb/offline-run-*`.
+    The group defaults to WANDB_RUN_GROUP (set by the study driver), else "suite"."""
     import wandb
 
     run = wandb.init(project=project, dir=str(out), job_type="suite",
+                     group=group or os.environ.get("WANDB_RUN_GROUP") or "suite",
                      mode=os.environ.get("WANDB_MODE", "offline"),
                      config={k: v for k, v in run_info.items() if k != "warnings"})
     cols = list(summary[0]) if summary else []
