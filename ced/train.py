@@ -91,8 +91,10 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int) -> Path:
-    """accelerate's full state into a temporary directory, renamed once complete."""
+def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int,
+                    state: dict | None = None) -> Path:
+    """accelerate's full state into a temporary directory, renamed once complete. `state`
+    (e.g. the wandb run id) goes into trainer_state.json beside the step."""
     final = run_dir / CHECKPOINTS / f"step_{step:08d}"
     tmp = None
     if accelerator.is_main_process:
@@ -101,7 +103,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int) -> Pa
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps({"step": step}))
+        (tmp / TRAINER_STATE).write_text(json.dumps({**(state or {}), "step": step}))
         commit_directory(tmp, final)
         for old in checkpoint_dirs(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -223,10 +225,15 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
 
     start_step = 0
+    trainer_state: dict = {}
     resume_from = resolve_resume(t.resume, run_dir)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        start_step = json.loads((resume_from / TRAINER_STATE).read_text())["step"]
+        saved = json.loads((resume_from / TRAINER_STATE).read_text())
+        start_step = saved["step"]
+        # The wandb run id travels with the checkpoint, so a resumed run continues the same
+        # wandb run instead of starting a second one.
+        trainer_state = {k: v for k, v in saved.items() if k == "wandb_run_id"}
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
 
     metrics_file = run_dir / "metrics.jsonl"
@@ -234,10 +241,7 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics_file, start_step)
         if cfg.logging.wandb:
-            log = cfg.logging
-            accelerator.init_trackers(log.project, config=_flat(asdict(cfg)), init_kwargs={
-                "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
-                          "tags": list(log.tags), "name": log.name, "dir": str(run_dir)}})
+            _init_wandb(accelerator, cfg, run_dir, trainer_state)
     progress = _Progress(t.steps, start_step, enabled=t.progress and accelerator.is_main_process)
     last: dict = {}
     model.train()
@@ -307,12 +311,33 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
                 accelerator.log({k: v for k, v in last.items() if k != "step"}, step=step + 1)
         progress.update(last)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            save_checkpoint(accelerator, run_dir, step + 1, t.keep_last)
+            save_checkpoint(accelerator, run_dir, step + 1, t.keep_last, trainer_state)
     progress.close()
     if accelerator.is_main_process:
         save_model(accelerator.unwrap_model(model), run_dir / "final")
+        if cfg.logging.wandb:
+            from .tracking import log_model_artifact
+            log_model_artifact(accelerator.get_tracker("wandb", unwrap=True), run_dir / "final",
+                               metadata={"step": t.steps, **{k: v for k, v in last.items()
+                                                             if k.startswith("val/")}})
     accelerator.wait_for_everyone()
     return last
+
+
+def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dict) -> None:
+    """Start (or, with an id from a resumed checkpoint, continue) the wandb run, with the full
+    config; the id is put into `trainer_state` so that every checkpoint carries it."""
+    from .tracking import new_run_id
+    log = cfg.logging
+    run_id = trainer_state.get("wandb_run_id") or new_run_id()
+    trainer_state["wandb_run_id"] = run_id
+    accelerator.init_trackers(log.project, config=_flat(asdict(cfg)), init_kwargs={
+        "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
+                  "tags": list(log.tags), "name": log.name, "dir": str(run_dir),
+                  "id": run_id, "resume": "allow"}})
+    run = accelerator.get_tracker("wandb", unwrap=True)
+    # The dashboard's summary shows the best validation loss, not the last one.
+    run.define_metric("val/loss", summary="min")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -378,7 +403,7 @@ def _fail(line: str, code: int) -> None:
     """Print the one-line reason; a single run exits with `code`, a multirun job raises."""
     print(line, file=sys.stderr, flush=True)
     if _is_multirun():
-        raise JobFailed(line)
+        raise JobFailed(line) from None
     sys.exit(code)
 
 
@@ -471,7 +496,11 @@ def _check_launcher(overrides: list[str]) -> None:
     if not any(o.replace(" ", "") == "hydra/launcher=slurm" for o in overrides):
         return
     import importlib.util
-    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:       # no Hydra plugin at all: no hydra_plugins package
+        found = False
+    if not found:
         raise ConfigError("hydra/launcher=slurm: needs hydra-submitit-launcher, the `slurm` "
                           "extra: pip install -e '.[slurm]' (or pip install 'ced[slurm]')")
 

@@ -450,5 +450,19 @@ def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[di
                                                    for c in DROP_FIELDS] for d in drops])})
     if "plot" in paths:
         run.log({"accuracy": wandb.Image(str(paths["plot"]))})
+    from ced.tracking import log_scalars, use_checkpoints
+    use_checkpoints(run, [run_info["checkpoint"]])
+    log_scalars(run, suite_scalars(summary))
     run.summary["capability_drops"] = len(drops)
     run.finish()
+
+
+def suite_scalars(summary: list[dict]) -> dict[str, float]:
+    """Accuracy per (family, mode) pooled over distances (`acc/<family>/<mode>`, the mode
+    naming N, e.g. replay=8) and per (family, mode, x) (`acc/<family>/<mode>/<x_name>=<x>`),
+    as flat scalars for dashboards."""
+    out = {}
+    for s in summary:
+        key = f"acc/{s['family']}/{s['mode']}"
+        out[key if str(s["x"]) == "all" else f"{key}/{s['x_name']}={s['x']}"] = s["accuracy"]
+    return out
