@@ -159,7 +159,10 @@ def make_accelerator(cfg: TrainConfig, run_dir: Path):
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device: 'cuda' requested but no GPU is available; use 'auto' "
                           "or 'cpu'")
-    if cpu and t.mixed_precision == "fp16":
+    # None lets accelerate read `accelerate launch --mixed_precision` / `accelerate config`
+    # (ACCELERATE_MIXED_PRECISION); the fp16-on-CPU check looks at what it will read.
+    precision = t.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if cpu and precision == "fp16":
         raise ConfigError("train.mixed_precision: fp16 does nothing on CPU (accelerate ignores "
                           "it silently); use 'bf16' or 'no'")
     return Accelerator(cpu=cpu, mixed_precision=t.mixed_precision,
@@ -331,7 +334,10 @@ def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dic
     log = cfg.logging
     run_id = trainer_state.get("wandb_run_id") or new_run_id()
     trainer_state["wandb_run_id"] = run_id
-    accelerator.init_trackers(log.project, config=_flat(asdict(cfg)), init_kwargs={
+    # The effective precision and process count: the config may leave them to accelerate.
+    config = {**_flat(asdict(cfg)), "accelerate.mixed_precision": accelerator.mixed_precision,
+              "accelerate.num_processes": accelerator.num_processes}
+    accelerator.init_trackers(log.project, config=config, init_kwargs={
         "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
                   "tags": list(log.tags), "name": log.name, "dir": str(run_dir),
                   "id": run_id, "resume": "allow"}})

@@ -198,3 +198,18 @@ def test_driver_help_lists_every_study():
     text = (Path(trainer.CONF_DIR) / "study.yaml").read_text()
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("Studies:"))
     assert [s.strip() for s in line.split(":", 1)[1].split(",")] == STUDIES
+
+
+def test_mixed_precision_defers_to_accelerate(monkeypatch, tmp_path):
+    """train.mixed_precision defaults to null: `accelerate launch --mixed_precision bf16` (which
+    sets ACCELERATE_MIXED_PRECISION) decides; fp16 from there is still refused on CPU."""
+    config = validate(compose_train(["model=tiny", "debug=fast", "train.device=cpu"]))
+    assert config.train.mixed_precision is None
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    try:
+        assert trainer.make_accelerator(config, tmp_path).mixed_precision == "bf16"
+    finally:
+        trainer._reset_accelerate()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ConfigError, match="fp16 does nothing on CPU"):
+        trainer.make_accelerator(config, tmp_path)
