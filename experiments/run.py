@@ -232,8 +232,13 @@ class Study:
             run_dir = self.run_dir(label)
             final = run_dir / "final"
             stamp = _read_stamp(run_dir)
-            if (final / "model.safetensors").exists() and stamp is not None:
-                out[label] = (final, stamp["hash"])
+            weights = final / "model.safetensors"
+            if weights.exists():
+                # A run trained outside the driver (e.g. a SLURM array placed here) has no
+                # record: its identity is the checkpoint itself.
+                out[label] = (final, stamp["hash"] if stamp else config_hash(
+                    {"external": (final / "config.json").read_text(),
+                     "weights": weights.stat().st_mtime_ns}))
         return out
 
     # training
@@ -254,7 +259,9 @@ class Study:
                 continue
             if started and (stamp is None or stamp["hash"] != digest):
                 old = stamp["hash"] if stamp else "unknown"
-                change = describe_change(stamp["overrides"] if stamp else [], wanted)
+                change = (describe_change(stamp["overrides"], wanted) if stamp else
+                          "no study_step.json: trained outside the driver; only=eval "
+                          "evaluates it as it is")
                 if self.on_change == "refuse":
                     print(f"[study] train {label}: REFUSED: config changed since it was "
                           f"trained (hash {old} -> {digest}: {change}); the old run is kept. "
