@@ -1,9 +1,11 @@
 """A study's report, built from its run directories (not from wandb):
 
-    python -m evals.report <study_dir> [--no-wandb]
+    python -m evals.report <study_dir> [--no-wandb] [--wandb-group G] [--wandb-project P]
 
-Reads `runs/*/metrics.jsonl` and `final/config.json`, `divergence/summary.json`,
-`suite/*/summary.json` and `capability_drop.csv`, `summary.json` (the driver's step status) and
+Reads `runs/<job>/seed<k>/metrics.jsonl` and `final/config.json` (runs are labelled
+`<job>/seed<k>`, so seeds stay apart; a `runs/<job>/` holding a run itself is labelled
+`<job>`), `divergence/summary.json`, `suite/<job>/seed<k>[@topk=K]/summary.json` and
+`capability_drop.csv`, `summary.json` (the driver's step status) and
 prices every inference mode with the analytic cost model (`ced.cost.prefill_flops`). Writes into
 `<study_dir>/report/`: PNG plots, `report.md` and `report.html` (self-contained: the PNGs are
 embedded as base64, it opens from disk). The same plots and tables go to a wandb run
