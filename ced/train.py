@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import atomic_directory, commit_directory, save_model
+from .cli import fail as _fail
 from .data import answer_accuracy, build_source
 from .model import CEDModel
 from .train_config import ConfigError, ReplaySimulation, TrainConfig, validate
@@ -391,26 +392,6 @@ class _Progress:
 # ---- Hydra entry point -----------------------------------------------------------------------
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-class JobFailed(RuntimeError):
-    """A job of a multirun that stopped on a bad config or a diverged loss. Raised (not
-    sys.exit) so that Hydra's launcher records the failure and runs the sweep's other jobs;
-    the message is the same one line a single run prints."""
-
-
-def _is_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    return HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def _fail(line: str, code: int) -> None:
-    """Print the one-line reason; a single run exits with `code`, a multirun job raises."""
-    print(line, file=sys.stderr, flush=True)
-    if _is_multirun():
-        raise JobFailed(line) from None
-    sys.exit(code)
 
 
 def _hydra_task(cfg) -> float | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -372,19 +371,19 @@ def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
 def _hydra_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
+
+    from ced.cli import fail
     try:
         schema = OmegaConf.structured(DivergenceConfig)
         config: DivergenceConfig = OmegaConf.to_object(OmegaConf.merge(
             schema, {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}))
     except Exception as exc:  # omegaconf's messages name the key; keep the first line
-        print(f"config error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"config error: {str(exc).splitlines()[0]}", 2)
     out_dir = Path(config.out_dir or HydraConfig.get().runtime.output_dir)
     try:
         run(config, out_dir)
     except ValueError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"config error: {exc}", 2)
 
 
 def main() -> None:
