@@ -1,8 +1,11 @@
 """Run a named study: train its jobs (once per seed), evaluate them, write the report.
 
     python -m experiments.run study=<name> [out=DIR] [scale=demo|full] [seeds=[0,1,2]]
-                              [threads=2] [wandb=true] [group=G] [only=train|eval|report]
-                              [on_change=refuse|rerun]
+                              [threads=2] [wandb=true] [group=G] [on_change=refuse|rerun]
+                              [only=train|eval|report|plan]
+
+`only=plan` prints the resolved study and what would happen to every training run (skip,
+train, resume, refuse, rerun, and why) without running anything.
     python -m experiments.run --help | --cfg job study=<name> | -m study=a,b
 
 A Hydra app over `conf/study.yaml` (keys: `DriverConfig`). A study is
@@ -71,8 +74,9 @@ class DriverConfig:
         if self.study in ("???", "", None):
             known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
             raise StudyError(f"study: required (study=<name>); known studies: {known}")
-        if self.only not in ("all", "train", "eval", "report"):
-            raise StudyError(f"only: must be all, train, eval or report; got {self.only!r}")
+        if self.only not in ("all", "train", "eval", "report", "plan"):
+            raise StudyError(f"only: must be all, train, eval, report or plan; got "
+                             f"{self.only!r}")
         if self.on_change not in ("refuse", "rerun"):
             raise StudyError(f"on_change: must be refuse or rerun; got {self.on_change!r}")
         if self.threads is not None and self.threads < 1:
@@ -242,42 +246,65 @@ class Study:
         return out
 
     # training
+    def decide(self, job_name: str, seed: int, label: str) -> tuple[str, str, str]:
+        """What training run `label` needs: (action, config hash, reason), action one of
+        skip (done with this config), train (never started), resume (interrupted, same
+        config), refuse / rerun (its config changed; which one is `on_change`)."""
+        run_dir = self.run_dir(label)
+        wanted = self.train_overrides(job_name, seed)
+        digest = config_hash(wanted)
+        stamp = _read_stamp(run_dir)
+        finished = (run_dir / "final" / "model.safetensors").exists()
+        started = finished or (run_dir / "checkpoints").exists()
+        if stamp is not None and stamp["hash"] == digest:
+            if finished:
+                return "skip", digest, f"done before with the same config (hash {digest})"
+            if started:
+                return "resume", digest, (f"interrupted before with the same config (hash "
+                                          f"{digest}); resuming from its last checkpoint")
+        if not started:
+            return "train", digest, "not trained yet"
+        old = stamp["hash"] if stamp else "unknown"
+        change = (describe_change(stamp["overrides"], wanted) if stamp else
+                  "no study_step.json: trained outside the driver; only=eval evaluates it "
+                  "as it is")
+        reason = f"config changed since it was trained (hash {old} -> {digest}: {change})"
+        return ("refuse" if self.on_change == "refuse" else "rerun"), digest, reason
+
+    def plan(self) -> list[dict]:
+        """What `only=all` would do to every training run, without doing it."""
+        rows = []
+        for job_name, seed, label in self.runs():
+            action, digest, reason = self.decide(job_name, seed, label)
+            rows.append({"run": label, "action": action, "hash": digest, "reason": reason})
+            print(f"[study] plan {label}: {action.upper()} - {reason}", flush=True)
+        return rows
+
     def train(self) -> None:
         runs = self.runs()
         for i, (job_name, seed, label) in enumerate(runs, 1):
             key, run_dir = f"train/{label}", self.run_dir(label)
             job = next(j for j in self.spec.jobs if j.name == job_name)
             wanted = self.train_overrides(job_name, seed)
-            digest = config_hash(wanted)
-            stamp = _read_stamp(run_dir)
-            finished = (run_dir / "final" / "model.safetensors").exists()
-            started = finished or (run_dir / "checkpoints").exists()
-            if stamp is not None and stamp["hash"] == digest and finished:
-                print(f"[study] train {label}: done before with the same config (hash "
-                      f"{digest}), skipped", flush=True)
+            action, digest, reason = self.decide(job_name, seed, label)
+            if action == "skip":
+                print(f"[study] train {label}: {reason}, skipped", flush=True)
                 self.record(key, "skipped", run_dir=str(run_dir), hash=digest)
                 continue
-            if started and (stamp is None or stamp["hash"] != digest):
-                old = stamp["hash"] if stamp else "unknown"
-                change = (describe_change(stamp["overrides"], wanted) if stamp else
-                          "no study_step.json: trained outside the driver; only=eval "
-                          "evaluates it as it is")
-                if self.on_change == "refuse":
-                    print(f"[study] train {label}: REFUSED: config changed since it was "
-                          f"trained (hash {old} -> {digest}: {change}); the old run is kept. "
-                          f"Pass on_change=rerun to retrain, or use another out=", flush=True)
-                    self.record(key, "refused", run_dir=str(run_dir), old_hash=old,
-                                hash=digest, change=change)
-                    continue
+            if action == "refuse":
+                print(f"[study] train {label}: REFUSED: {reason}; the old run is kept. Pass "
+                      f"on_change=rerun to retrain, or use another out=", flush=True)
+                self.record(key, "refused", run_dir=str(run_dir), hash=digest, reason=reason)
+                continue
+            if action == "rerun":
+                old = (_read_stamp(run_dir) or {}).get("hash", "unknown")
                 aside = run_dir.with_name(f"{run_dir.name}.old-{old}")
                 shutil.rmtree(aside, ignore_errors=True)
                 run_dir.rename(aside)
-                print(f"[study] train {label}: config changed (hash {old} -> {digest}: "
-                      f"{change}); RERUNNING (on_change=rerun); the old run moved to {aside}",
-                      flush=True)
-            elif started:
-                print(f"[study] train {label}: interrupted before with the same config (hash "
-                      f"{digest}); resuming from its last checkpoint", flush=True)
+                print(f"[study] train {label}: {reason}; RERUNNING (on_change=rerun); the old "
+                      f"run moved to {aside}", flush=True)
+            elif action == "resume":
+                print(f"[study] train {label}: {reason}", flush=True)
             _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
                                    "seed": seed})
             overrides = [*self.spec.train, *job.overrides, f"train.seed={seed}",
@@ -447,6 +474,11 @@ def run_study(opts: DriverConfig) -> int:
             pass
     print(f"[study] {spec.name} (scale={spec.scale}): {len(spec.jobs)} jobs x seeds "
           f"{list(spec.seeds)} -> {out}", flush=True)
+    if opts.only == "plan":
+        from omegaconf import OmegaConf
+        print(OmegaConf.to_yaml(OmegaConf.structured(spec)), flush=True)
+        study.plan()
+        return 0
     if opts.only in ("all", "train"):
         study.train()
     if opts.only in ("all", "eval"):

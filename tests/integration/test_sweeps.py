@@ -119,6 +119,12 @@ def test_study_driver_multirun_seeds_and_config_hash(tmp_path):
     assert summary["steps"]["train/a/seed0"]["state"] == "refused"
     assert (out / "runs" / "a" / "seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp
 
+    # only=plan says the same and changes nothing.
+    plan = run("experiments.run", f"study={mini}", *common, "only=plan")
+    assert plan.returncode == 0
+    assert "steps: 3" in plan.stdout or "train.steps=3" in plan.stdout
+    assert "[study] plan a/seed1: REFUSE - config changed" in plan.stdout
+
     # ... or rerun when asked, with the old run moved aside.
     rerun = run("experiments.run", f"study={mini}", *common, "on_change=rerun")
     assert rerun.returncode == 0, rerun.stdout[-3000:]
