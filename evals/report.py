@@ -390,6 +390,36 @@ def pooled_accuracy(suite: pd.DataFrame) -> pd.DataFrame:
                               sort=False).reset_index()
 
 
+def seed_spread(suite: pd.DataFrame, runs: dict) -> pd.DataFrame:
+    """Per job trained with two or more seeds: the pooled suite accuracy per family and mode
+    (and the last validation loss) across seeds: mean, standard deviation, min, max, seeds.
+    A run label `<job>/seed<k>[@topk=K]` belongs to job `<job>[@topk=K]`."""
+    import re
+    rows = []
+    if not suite.empty:
+        pooled = suite[(suite["x"].astype(str) == "all") & ~suite["mode"].str.contains("turn=")]
+        pooled = pooled.assign(job=pooled["label"].map(lambda l: re.sub(r"/seed\d+", "", l)))
+        for (job, family, mode), part in pooled.groupby(["job", "family", "mode"], sort=False):
+            if part["label"].nunique() >= 2:
+                acc = part["accuracy"]
+                rows.append({"job": job, "what": f"acc {family}", "mode": mode,
+                             "mean": acc.mean(), "sd": acc.std(ddof=1), "min": acc.min(),
+                             "max": acc.max(), "seeds": part["label"].nunique()})
+    losses: dict[str, list[float]] = {}
+    for label, run in runs.items():
+        m = run["metrics"]
+        if "val/loss" in m and m["val/loss"].notna().any():
+            job = re.sub(r"/seed\d+", "", label)
+            losses.setdefault(job, []).append(float(m["val/loss"].dropna().iloc[-1]))
+    for job, values in losses.items():
+        if len(values) >= 2:
+            v = pd.Series(values)
+            rows.append({"job": job, "what": "val loss", "mode": "", "mean": v.mean(),
+                         "sd": v.std(ddof=1), "min": v.min(), "max": v.max(),
+                         "seeds": len(values)})
+    return pd.DataFrame(rows)
+
+
 def _fmt(value) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
@@ -456,11 +486,13 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
     train_tab = training_table(runs)
     div_tab = divergence_table(div)
     acc_tab = pooled_accuracy(suite)
+    seed_tab = seed_spread(suite, runs)
     drop_tab = drops[[c for c in ["label", "family", "x", "mode", "n", "acc_full", "acc_mode",
                                   "delta", "p", "p_holm"] if c in drops.columns]] \
         if not drops.empty else drops
     for name, table in (("training", train_tab), ("divergence", div_tab), ("accuracy", acc_tab),
-                        ("cost_quality", cost), ("capability_drop", drop_tab)):
+                        ("seeds", seed_tab), ("cost_quality", cost),
+                        ("capability_drop", drop_tab)):
         if not table.empty:
             table.to_csv(out / f"{name}.csv", index=False)
 
@@ -483,7 +515,7 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
                       "mean accuracy."))
 
     steps = status.get("steps", {})
-    failed = [k for k, v in steps.items() if v.get("state") == "failed"]
+    failed = [k for k, v in steps.items() if v.get("state") in ("failed", "refused")]
     status_tab = pd.DataFrame([{"step": k, "state": v.get("state"),
                                 "seconds": v.get("seconds"),
                                 "detail": v.get("reason") or v.get("error") or
@@ -503,6 +535,9 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
          "(pooled over distances) and mode. Dashed verticals in the plots: replay starts "
          "(a fact at distance > N lies before it); purple: window W; brown: R_exact.", acc_tab,
          "accuracy"),
+        ("Seeds", "Jobs trained with several seeds (study `seeds`): pooled suite accuracy per "
+         "family and mode, and the last validation loss, across seeds (mean, standard "
+         "deviation, min, max). One seed per job: none.", seed_tab, None),
         ("Cost-quality frontier", "Analytic prefill FLOPs (ced.cost.prefill_flops, causal "
          "counting) of each single-turn mode at one prompt length T for every model (the "
          "longest mean prompt length of the suite runs), and the "
@@ -533,7 +568,8 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
         md.append(to_markdown(table))
         body.append(to_html(table))
     for key in failed:
-        tail = steps[key].get("tail") or steps[key].get("error") or ""
+        tail = (steps[key].get("tail") or steps[key].get("error")
+                or steps[key].get("reason") or "")
         md.append(f"### Failed: {key}\n\n```\n{tail}\n```\n")
         body.append(f"<h3 class='failed'>Failed: {html.escape(key)}</h3>"
                     f"<pre>{html.escape(tail)}</pre>")
@@ -546,9 +582,9 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
         try:
             _log_wandb(group or name, out, plots,
                        {"training": train_tab, "divergence": div_tab, "accuracy": acc_tab,
-                        "cost_quality": cost, "capability_drop": drop_tab},
+                        "seeds": seed_tab, "cost_quality": cost, "capability_drop": drop_tab},
                        config={"study_dir": str(study), **status}, project=project,
-                       name=f"{name}-report")
+                       name=f"{name}-report", scalars=report_scalars(suite, div, seed_tab))
         except Exception as exc:     # wandb is a copy of the report; never fail it
             print(f"[report] wandb logging skipped: {exc}", file=sys.stderr)
     if not quiet:
@@ -557,8 +593,28 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
     return out / "report.html"
 
 
+def report_scalars(suite: pd.DataFrame, div: pd.DataFrame, seeds: pd.DataFrame) -> dict:
+    """The report's numbers as flat scalars: pooled accuracy `acc/<run>/<family>/<mode>`,
+    first-token KL `kl/<run>/T=<T>/<mode>`, and across seeds `seeds/<job>/<what>/<mode>/mean`
+    and `.../sd`."""
+    out = {}
+    if not suite.empty:
+        pooled = suite[suite["x"].astype(str) == "all"]
+        for row in pooled.itertuples():
+            out[f"acc/{row.label}/{row.family}/{row.mode}"] = row.accuracy
+    if not div.empty:
+        first = div[(div["step"] == 0) & (div["metric"] == "kl")]
+        for row in first.itertuples():
+            out[f"kl/{row.job}/T={row.T}/{row.mode}"] = row.mean
+    for row in seeds.itertuples():
+        key = f"seeds/{row.job}/{row.what.replace(' ', '_')}/{row.mode or 'all'}"
+        out[f"{key}/mean"], out[f"{key}/sd"] = row.mean, row.sd
+    return out
+
+
 def _log_wandb(group: str, out: Path, plots, tables: dict, config: dict | None = None,
-               project: str = "ced", name: str | None = None) -> None:
+               project: str = "ced", name: str | None = None,
+               scalars: dict | None = None) -> None:
     """The report's plots and tables as one wandb run (job_type=report) in the study's group,
     with the study's status (steps, seeds, scale) as its config; offline unless WANDB_MODE
     says otherwise."""
@@ -572,6 +628,8 @@ def _log_wandb(group: str, out: Path, plots, tables: dict, config: dict | None =
         if table is not None and not table.empty:
             log[f"tables/{key}"] = wandb.Table(dataframe=table.astype(str))
     run.log(log)
+    from ced.tracking import log_scalars
+    log_scalars(run, scalars or {})
     run.finish()
 
 
