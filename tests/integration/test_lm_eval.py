@@ -248,3 +248,12 @@ def test_group_with_aggregate_and_limit_samples_every_distance(checkpoint, tasks
     assert group["acc,none"] == pytest.approx(mean)
     recall_x = [s["doc"]["x"] for s in res["samples"]["ced_recall"]]
     assert recall_x == distances[:3]
+
+
+def test_help_shows_write_tasks():
+    done = subprocess.run([sys.executable, "-m", "evals.lmeval", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "python -m evals.lmeval write-tasks --checkpoint DIR" in done.stdout
+    assert "lm-eval" in done.stdout                    # lm-eval's own help follows
