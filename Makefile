@@ -25,11 +25,12 @@ test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run study=demo
 
-# Any study: make study STUDY=replay_length [SCALE=full]
+# Any study: make study STUDY=replay_length [SCALE=full] [SEEDS=[0,1,2]]
 STUDY ?= demo
 SCALE ?= demo
+SEEDS ?=
 study: $(VENV)/.installed
-	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run study=$(STUDY) scale=$(SCALE)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run study=$(STUDY) scale=$(SCALE) $(if $(SEEDS),'seeds=$(SEEDS)')
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import atomic_directory, commit_directory, save_model
+from .cli import fail as _fail
 from .data import answer_accuracy, build_source
 from .model import CEDModel
 from .train_config import ConfigError, ReplaySimulation, TrainConfig, validate
@@ -104,8 +105,10 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int) -> Path:
-    """accelerate's full state into a temporary directory, renamed once complete."""
+def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int,
+                    state: dict | None = None) -> Path:
+    """accelerate's full state into a temporary directory, renamed once complete. `state`
+    (e.g. the wandb run id) goes into trainer_state.json beside the step."""
     final = run_dir / CHECKPOINTS / f"step_{step:08d}"
     tmp = None
     if accelerator.is_main_process:
@@ -114,7 +117,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int) -> Pa
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps({"step": step}))
+        (tmp / TRAINER_STATE).write_text(json.dumps({**(state or {}), "step": step}))
         commit_directory(tmp, final)
         for old in checkpoint_dirs(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -177,7 +180,10 @@ def make_accelerator(cfg: TrainConfig, run_dir: Path):
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device: 'cuda' requested but no GPU is available; use 'auto' "
                           "or 'cpu'")
-    if cpu and t.mixed_precision == "fp16":
+    # None lets accelerate read `accelerate launch --mixed_precision` / `accelerate config`
+    # (ACCELERATE_MIXED_PRECISION); the fp16-on-CPU check looks at what it will read.
+    precision = t.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if cpu and precision == "fp16":
         raise ConfigError("train.mixed_precision: fp16 does nothing on CPU (accelerate ignores "
                           "it silently); use 'bf16' or 'no'")
     return Accelerator(cpu=cpu, mixed_precision=t.mixed_precision,
@@ -243,10 +249,15 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
 
     start_step = 0
+    trainer_state: dict = {}
     resume_from = resolve_resume(t.resume, run_dir)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        start_step = json.loads((resume_from / TRAINER_STATE).read_text())["step"]
+        saved = json.loads((resume_from / TRAINER_STATE).read_text())
+        start_step = saved["step"]
+        # The wandb run id travels with the checkpoint, so a resumed run continues the same
+        # wandb run instead of starting a second one.
+        trainer_state = {k: v for k, v in saved.items() if k == "wandb_run_id"}
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
 
     metrics_file = run_dir / "metrics.jsonl"
@@ -254,10 +265,7 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics_file, start_step)
         if cfg.logging.wandb:
-            log = cfg.logging
-            accelerator.init_trackers(log.project, config=_flat(asdict(cfg)), init_kwargs={
-                "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
-                          "tags": list(log.tags), "name": log.name, "dir": str(run_dir)}})
+            _init_wandb(accelerator, cfg, run_dir, trainer_state)
     progress = _Progress(t.steps, start_step, enabled=t.progress and accelerator.is_main_process)
     last: dict = {}
     model.train()
@@ -334,12 +342,36 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
                 accelerator.log({k: v for k, v in last.items() if k != "step"}, step=step + 1)
         progress.update(last)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            save_checkpoint(accelerator, run_dir, step + 1, t.keep_last)
+            save_checkpoint(accelerator, run_dir, step + 1, t.keep_last, trainer_state)
     progress.close()
     if accelerator.is_main_process:
         save_model(accelerator.unwrap_model(model), run_dir / "final")
+        if cfg.logging.wandb:
+            from .tracking import log_model_artifact
+            log_model_artifact(accelerator.get_tracker("wandb", unwrap=True), run_dir / "final",
+                               metadata={"step": t.steps, **{k: v for k, v in last.items()
+                                                             if k.startswith("val/")}})
     accelerator.wait_for_everyone()
     return last
+
+
+def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dict) -> None:
+    """Start (or, with an id from a resumed checkpoint, continue) the wandb run, with the full
+    config; the id is put into `trainer_state` so that every checkpoint carries it."""
+    from .tracking import new_run_id
+    log = cfg.logging
+    run_id = trainer_state.get("wandb_run_id") or new_run_id()
+    trainer_state["wandb_run_id"] = run_id
+    # The effective precision and process count: the config may leave them to accelerate.
+    config = {**_flat(asdict(cfg)), "accelerate.mixed_precision": accelerator.mixed_precision,
+              "accelerate.num_processes": accelerator.num_processes}
+    accelerator.init_trackers(log.project, config=config, init_kwargs={
+        "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
+                  "tags": list(log.tags), "name": log.name, "dir": str(run_dir),
+                  "id": run_id, "resume": "allow"}})
+    run = accelerator.get_tracker("wandb", unwrap=True)
+    # The dashboard's summary shows the best validation loss, not the last one.
+    run.define_metric("val/loss", summary="min")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -392,26 +424,30 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 def _hydra_task(cfg) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
+    hydra_cfg = HydraConfig.get()
+    metrics: dict = {}
     try:
         config = validate(cfg)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if config.logging.name is None and hydra_cfg.job.override_dirname:
+            # A sweep's runs are named by what varies (group and folder keys excluded in
+            # conf/train.yaml), so the dashboard tells them apart without opening configs.
+            config.logging.name = hydra_cfg.job.override_dirname
+        run_dir = Path(hydra_cfg.runtime.output_dir)
         if int(os.environ.get("RANK", "0")) == 0:
             (run_dir).mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
         metrics = train(config, run_dir)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _fail(f"config error: {exc}", 2)
     except TrainingDiverged as exc:
-        print(f"training stopped: {exc}", file=sys.stderr)
-        sys.exit(3)
+        _fail(f"training stopped: {exc}", 3)
     finally:
         if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
-            shutil.rmtree(HydraConfig.get().runtime.output_dir, ignore_errors=True)
+            shutil.rmtree(hydra_cfg.runtime.output_dir, ignore_errors=True)
     return metrics.get("val/loss", metrics.get("loss"))
 
 
-GROUPS = ("model", "data", "optim", "train", "logging")
+GROUPS = ("model", "data", "optim", "train", "logging", "debug")
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -425,7 +461,8 @@ def check_overrides(overrides: list[str]) -> None:
         parts = key.split(".")
         if len(parts) == 1:
             if key not in GROUPS:
-                raise ConfigError(f"{key}: unknown config group; allowed: {list(GROUPS)}")
+                raise ConfigError(f"{key}: unknown config group; allowed: "
+                                  f"{list(GROUPS) + ['experiment']}")
             continue
         node = TrainConfig()
         for depth, part in enumerate(parts):
@@ -438,15 +475,62 @@ def check_overrides(overrides: list[str]) -> None:
             node = getattr(node, part)
 
 
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].lstrip("+~")
+
+
+def expand_experiment(overrides: list[str]) -> list[str]:
+    """`experiment=<study>` -> the study's shared `train` overrides (conf/experiment/<study>.yaml,
+    scale demo), placed before the other overrides; a key the command line also sets is taken
+    from the command line. This is the preset of lightning-hydra-template's `experiment=`:
+    `python -m ced.train experiment=demo model=yoco` trains like the demo study's yoco job.
+    Studies are override lists for several jobs, not config fragments, so the expansion happens
+    here rather than in Hydra's defaults list."""
+    chosen = [o for o in overrides if _override_key(o) == "experiment"]
+    if not chosen:
+        return list(overrides)
+    if len(chosen) > 1 or "," in chosen[0]:
+        raise ConfigError("experiment: one study per run (a sweep over studies is "
+                          "`python -m experiments.run -m study=a,b`); got "
+                          + " ".join(chosen))
+    from experiments.study import StudyError, load_study
+    try:
+        study = load_study(chosen[0].split("=", 1)[1])
+    except StudyError as exc:
+        raise ConfigError(f"experiment: {exc}") from None
+    rest = [o for o in overrides if o not in chosen]
+    given = {_override_key(o) for o in rest if "=" in o}
+    preset = [o for o in study.train if _override_key(o) not in given]
+    return preset + rest
+
+
+def _check_launcher(overrides: list[str]) -> None:
+    """hydra/launcher=slurm needs the optional plugin; say how to get it, in one line, instead
+    of Hydra's 'Could not find submitit_slurm' from deep in the defaults list."""
+    if not any(o.replace(" ", "") == "hydra/launcher=slurm" for o in overrides):
+        return
+    import importlib.util
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:       # no Hydra plugin at all: no hydra_plugins package
+        found = False
+    if not found:
+        raise ConfigError("hydra/launcher=slurm: needs hydra-submitit-launcher, the `slurm` "
+                          "extra: pip install -e '.[slurm]' (or pip install 'ced[slurm]')")
+
+
 def main() -> None:
     """Console entry: Hydra main over conf/train.yaml. Processes other than rank 0 of a
     distributed launch keep Hydra from writing anything (rank 0's directory is broadcast)."""
     import hydra
     try:
-        check_overrides(sys.argv[1:])
+        args = expand_experiment(sys.argv[1:])
+        check_overrides(args)
+        _check_launcher(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
+    sys.argv[1:] = args
     if int(os.environ.get("RANK", "0")) > 0:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none",
                      "hydra/hydra_logging=none",

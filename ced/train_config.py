@@ -90,7 +90,9 @@ class TrainLoopConfig:
     seq_len: int = 256
     seed: int = 0
     device: str = "auto"            # auto | cpu | cuda
-    mixed_precision: str = "no"     # no | bf16 | fp16 (fp16 needs a GPU)
+    # null: whatever `accelerate launch --mixed_precision` / `accelerate config` say ("no"
+    # without either); no | bf16 | fp16 force it (fp16 needs a GPU)
+    mixed_precision: Optional[str] = None
     eval_every: int = 100
     eval_batches: int = 2
     save_every: int = 100
@@ -115,8 +117,9 @@ class TrainLoopConfig:
                  f"must be a multiple of train.grad_accum ({self.grad_accum})", self.batch_size)
         _require(self.device in ("auto", "cpu", "cuda"), "train.device",
                  "must be 'auto', 'cpu' or 'cuda'", self.device)
-        _require(self.mixed_precision in ("no", "bf16", "fp16"), "train.mixed_precision",
-                 "must be 'no', 'bf16' or 'fp16'", self.mixed_precision)
+        _require(self.mixed_precision in (None, "no", "bf16", "fp16"), "train.mixed_precision",
+                 "must be null (accelerate's setting), 'no', 'bf16' or 'fp16'",
+                 self.mixed_precision)
         _require(self.indexer_kl_weight >= 0, "train.indexer_kl_weight", "must be >= 0",
                  self.indexer_kl_weight)
         _require(self.indexer_warmup_steps >= 0, "train.indexer_warmup_steps", "must be >= 0",
@@ -176,6 +179,11 @@ def validate(cfg: DictConfig | dict) -> TrainConfig:
     """Composed config -> TrainConfig, or a one-line ConfigError naming the bad key."""
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     raw = {k: v for k, v in raw.items() if k != "hydra"}
+    if isinstance(raw.get("model"), dict) and "unmodelled" in raw["model"]:
+        # Only the cost model's configs describe parts CEDModel does not build (MoE, mHC, ...).
+        raise ConfigError("model: this config (e.g. model=deepseek_v41_flash) is for the cost "
+                          "model, not for training: python -m ced.cost model=deepseek_v41_flash; "
+                          "train one of model=ced|yoco|dense|swa|tiny")
     _unknown_keys(raw, TrainConfig(), "")
     try:
         schema = OmegaConf.structured(TrainConfig)

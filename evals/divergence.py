@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -277,14 +276,32 @@ def write_outputs(c: DivergenceConfig, rows: list[dict], out_dir: Path) -> None:
     plots = plot(table, summary, out_dir)
     if c.wandb.enabled:
         import wandb
+        from dataclasses import asdict
+
+        from ced.tracking import log_scalars, use_checkpoints
         run = wandb.init(project=c.wandb.project, group=c.wandb.group, job_type="divergence",
                          tags=list(c.wandb.tags), mode=c.wandb.mode, dir=str(out_dir),
-                         config={"replays": list(c.replays), "lengths": list(c.lengths)})
+                         config=asdict(c))
+        use_checkpoints(run, c.checkpoints)
         run.log({"summary": wandb.Table(dataframe=pd.DataFrame(summary)),
                  **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}})
+        log_scalars(run, divergence_scalars(summary))
         run.finish()
     print(f"[divergence] wrote {out_dir}/divergence.csv, summary.json and {len(plots)} plots",
           flush=True)
+
+
+def divergence_scalars(summary: list[dict]) -> dict[str, float]:
+    """Mean KL(exact || mode) and top-1 agreement at the first generated token, per checkpoint,
+    prompt length and mode, as flat scalars (`kl/<run>/T=<T>/replay=<N>`) for dashboards."""
+    from ced.tracking import checkpoint_label
+    out = {}
+    for row in summary:
+        if row["step"] != 0 or row["metric"] not in ("kl", "top1_agree"):
+            continue
+        out[f"{row['metric']}/{checkpoint_label(row['checkpoint'])}/T={row['T']}/"
+            f"{row['mode']}"] = row["mean"]
+    return out
 
 
 def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
@@ -354,19 +371,19 @@ def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
 def _hydra_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
+
+    from ced.cli import fail
     try:
         schema = OmegaConf.structured(DivergenceConfig)
         config: DivergenceConfig = OmegaConf.to_object(OmegaConf.merge(
             schema, {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}))
     except Exception as exc:  # omegaconf's messages name the key; keep the first line
-        print(f"config error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"config error: {str(exc).splitlines()[0]}", 2)
     out_dir = Path(config.out_dir or HydraConfig.get().runtime.output_dir)
     try:
         run(config, out_dir)
     except ValueError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"config error: {exc}", 2)
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 """A study's report, built from its run directories (not from wandb):
 
-    python -m evals.report <study_dir> [--no-wandb]
+    python -m evals.report <study_dir> [--no-wandb] [--wandb-group G] [--wandb-project P]
 
-Reads `runs/*/metrics.jsonl` and `final/config.json`, `divergence/summary.json`,
-`suite/*/summary.json` and `capability_drop.csv`, `summary.json` (the driver's step status) and
+Reads `runs/<job>/seed<k>/metrics.jsonl` and `final/config.json` (runs are labelled
+`<job>/seed<k>`, so seeds stay apart; a `runs/<job>/` holding a run itself is labelled
+`<job>`), `divergence/summary.json`, `suite/<job>/seed<k>[@topk=K]/summary.json` and
+`capability_drop.csv`, `summary.json` (the driver's step status) and
 prices every inference mode with the analytic cost model (`ced.cost.prefill_flops`). Writes into
 `<study_dir>/report/`: PNG plots, `report.md` and `report.html` (self-contained: the PNGs are
 embedded as base64, it opens from disk). The same plots and tables go to a wandb run
@@ -34,13 +36,27 @@ def load_status(study: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def load_runs(study: Path) -> dict[str, dict]:
-    """job -> {"config": model config (final/config.json, else config.yaml's model),
-    "metrics": DataFrame of metrics.jsonl, "run_dir": Path}."""
-    runs = {}
-    for run_dir in sorted((Path(study) / "runs").glob("*")):
-        if not run_dir.is_dir():
+def _run_dirs(root: Path) -> list[tuple[str, Path]]:
+    """(label, directory) of every run (or suite run) under `root`: `<job>/seed<k>` for the
+    study driver's per-seed layout, `<job>` for a directory that holds a run itself."""
+    found = []
+    for top in sorted(Path(root).glob("*")):
+        if not top.is_dir() or ".old-" in top.name:
             continue
+        seeds = sorted((d for d in top.glob("seed*") if d.is_dir() and ".old-" not in d.name),
+                       key=lambda d: (len(d.name), d.name))
+        if seeds:
+            found += [(f"{top.name}/{d.name}", d) for d in seeds]
+        else:
+            found.append((top.name, top))
+    return found
+
+
+def load_runs(study: Path) -> dict[str, dict]:
+    """run label (`<job>/seed<k>`) -> {"config": model config (final/config.json), "metrics":
+    DataFrame of metrics.jsonl, "run_dir": Path, "final": final/ or None}."""
+    runs = {}
+    for label, run_dir in _run_dirs(Path(study) / "runs"):
         metrics_path = run_dir / "metrics.jsonl"
         rows = []
         if metrics_path.exists():
@@ -51,15 +67,21 @@ def load_runs(study: Path) -> dict[str, dict]:
         final = run_dir / "final" / "config.json"
         if final.exists():
             config = json.loads(final.read_text())
-        runs[run_dir.name] = {"config": config, "metrics": pd.DataFrame(rows),
-                              "run_dir": run_dir, "final": final.parent if config else None}
+        runs[label] = {"config": config, "metrics": pd.DataFrame(rows),
+                       "run_dir": run_dir, "final": final.parent if config else None}
     return runs
 
 
 def job_of_checkpoint(path: str) -> str:
-    """.../runs/<job>/final -> <job>."""
+    """.../runs/<job>/seed<k>/final -> <job>/seed<k> (.../runs/<job>/final -> <job>)."""
     p = Path(path)
-    return p.parent.name if p.name == "final" else p.name
+    run = p.parent if p.name == "final" else p
+    return f"{run.parent.name}/{run.name}" if run.name.startswith("seed") else run.name
+
+
+def file_label(label: str) -> str:
+    """A run or suite label as part of a file name."""
+    return label.replace("@", "_").replace("/", "_")
 
 
 def load_divergence(study: Path) -> pd.DataFrame:
@@ -77,18 +99,18 @@ def load_suite(study: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(summary of every suite run with a `label` column, capability drops with `label`,
     label -> run info of the suite's summary.json)."""
     summaries, drops, info = [], [], {}
-    for out in sorted((Path(study) / "suite").glob("*")):
+    for label, out in _run_dirs(Path(study) / "suite"):
         path = out / "summary.json"
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        info[out.name] = data["run"]
+        info[label] = data["run"]
         summary = pd.DataFrame(data["summary"])
-        summary["label"] = out.name
+        summary["label"] = label
         summaries.append(summary)
         if data.get("capability_drop"):
             d = pd.DataFrame(data["capability_drop"])
-            d["label"] = out.name
+            d["label"] = label
             drops.append(d)
     summary = pd.concat(summaries, ignore_index=True) if summaries else pd.DataFrame()
     drop = pd.concat(drops, ignore_index=True) if drops else pd.DataFrame()
@@ -368,6 +390,36 @@ def pooled_accuracy(suite: pd.DataFrame) -> pd.DataFrame:
                               sort=False).reset_index()
 
 
+def seed_spread(suite: pd.DataFrame, runs: dict) -> pd.DataFrame:
+    """Per job trained with two or more seeds: the pooled suite accuracy per family and mode
+    (and the last validation loss) across seeds: mean, standard deviation, min, max, seeds.
+    A run label `<job>/seed<k>[@topk=K]` belongs to job `<job>[@topk=K]`."""
+    import re
+    rows = []
+    if not suite.empty:
+        pooled = suite[(suite["x"].astype(str) == "all") & ~suite["mode"].str.contains("turn=")]
+        pooled = pooled.assign(job=pooled["label"].map(lambda l: re.sub(r"/seed\d+", "", l)))
+        for (job, family, mode), part in pooled.groupby(["job", "family", "mode"], sort=False):
+            if part["label"].nunique() >= 2:
+                acc = part["accuracy"]
+                rows.append({"job": job, "what": f"acc {family}", "mode": mode,
+                             "mean": acc.mean(), "sd": acc.std(ddof=1), "min": acc.min(),
+                             "max": acc.max(), "seeds": part["label"].nunique()})
+    losses: dict[str, list[float]] = {}
+    for label, run in runs.items():
+        m = run["metrics"]
+        if "val/loss" in m and m["val/loss"].notna().any():
+            job = re.sub(r"/seed\d+", "", label)
+            losses.setdefault(job, []).append(float(m["val/loss"].dropna().iloc[-1]))
+    for job, values in losses.items():
+        if len(values) >= 2:
+            v = pd.Series(values)
+            rows.append({"job": job, "what": "val loss", "mode": "", "mean": v.mean(),
+                         "sd": v.std(ddof=1), "min": v.min(), "max": v.max(),
+                         "seeds": len(values)})
+    return pd.DataFrame(rows)
+
+
 def _fmt(value) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
@@ -419,8 +471,10 @@ tr:nth-child(even){background:#f8f8f8}img{max-width:100%;border:1px solid #ddd;m
 overflow-x:auto;font-size:11px}.note{color:#555;font-size:13px}"""
 
 
-def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> Path:
-    """Write <study>/report/{report.md, report.html, *.png, *.csv}; returns report.html."""
+def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
+                 group: str | None = None, project: str = "ced") -> Path:
+    """Write <study>/report/{report.md, report.html, *.png, *.csv}; returns report.html.
+    The wandb run goes to `project`, in `group` (default: the study's name)."""
     study = Path(study).resolve()
     out = study / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -432,11 +486,13 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
     train_tab = training_table(runs)
     div_tab = divergence_table(div)
     acc_tab = pooled_accuracy(suite)
+    seed_tab = seed_spread(suite, runs)
     drop_tab = drops[[c for c in ["label", "family", "x", "mode", "n", "acc_full", "acc_mode",
                                   "delta", "p", "p_holm"] if c in drops.columns]] \
         if not drops.empty else drops
     for name, table in (("training", train_tab), ("divergence", div_tab), ("accuracy", acc_tab),
-                        ("cost_quality", cost), ("capability_drop", drop_tab)):
+                        ("seeds", seed_tab), ("cost_quality", cost),
+                        ("capability_drop", drop_tab)):
         if not table.empty:
             table.to_csv(out / f"{name}.csv", index=False)
 
@@ -449,7 +505,7 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
         plots.append(("divergence", p, "KL(exact || replay N) and top-1 agreement at the "
                       "first generated token against N, mean and bootstrap 95% CI over prompts."))
     for label in info:
-        p = plot_accuracy(suite, info, label, out / f"accuracy_{label.replace('@', '_')}.png")
+        p = plot_accuracy(suite, info, label, out / f"accuracy_{file_label(label)}.png")
         if p:
             plots.append(("accuracy", p, f"{label}: edge-case suite accuracy against the fact's "
                           "distance, per family and inference mode."))
@@ -459,7 +515,7 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
                       "mean accuracy."))
 
     steps = status.get("steps", {})
-    failed = [k for k, v in steps.items() if v.get("state") == "failed"]
+    failed = [k for k, v in steps.items() if v.get("state") in ("failed", "refused")]
     status_tab = pd.DataFrame([{"step": k, "state": v.get("state"),
                                 "seconds": v.get("seconds"),
                                 "detail": v.get("reason") or v.get("error") or
@@ -479,6 +535,9 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
          "(pooled over distances) and mode. Dashed verticals in the plots: replay starts "
          "(a fact at distance > N lies before it); purple: window W; brown: R_exact.", acc_tab,
          "accuracy"),
+        ("Seeds", "Jobs trained with several seeds (study `seeds`): pooled suite accuracy per "
+         "family and mode, and the last validation loss, across seeds (mean, standard "
+         "deviation, min, max). One seed per job: none.", seed_tab, None),
         ("Cost-quality frontier", "Analytic prefill FLOPs (ced.cost.prefill_flops, causal "
          "counting) of each single-turn mode at one prompt length T for every model (the "
          "longest mean prompt length of the suite runs), and the "
@@ -509,7 +568,8 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
         md.append(to_markdown(table))
         body.append(to_html(table))
     for key in failed:
-        tail = steps[key].get("tail") or steps[key].get("error") or ""
+        tail = (steps[key].get("tail") or steps[key].get("error")
+                or steps[key].get("reason") or "")
         md.append(f"### Failed: {key}\n\n```\n{tail}\n```\n")
         body.append(f"<h3 class='failed'>Failed: {html.escape(key)}</h3>"
                     f"<pre>{html.escape(tail)}</pre>")
@@ -520,9 +580,11 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
     (out / "report.html").write_text(page)
     if wandb:
         try:
-            _log_wandb(name, out, plots, {"training": train_tab, "divergence": div_tab,
-                                          "accuracy": acc_tab, "cost_quality": cost,
-                                          "capability_drop": drop_tab})
+            _log_wandb(group or name, out, plots,
+                       {"training": train_tab, "divergence": div_tab, "accuracy": acc_tab,
+                        "seeds": seed_tab, "cost_quality": cost, "capability_drop": drop_tab},
+                       config={"study_dir": str(study), **status}, project=project,
+                       name=f"{name}-report", scalars=report_scalars(suite, div, seed_tab))
         except Exception as exc:     # wandb is a copy of the report; never fail it
             print(f"[report] wandb logging skipped: {exc}", file=sys.stderr)
     if not quiet:
@@ -531,11 +593,34 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False) -> 
     return out / "report.html"
 
 
-def _log_wandb(group: str, out: Path, plots, tables: dict) -> None:
-    """The report's plots and tables as one wandb run (job_type=report) in the study's group;
-    offline unless WANDB_MODE says otherwise."""
+def report_scalars(suite: pd.DataFrame, div: pd.DataFrame, seeds: pd.DataFrame) -> dict:
+    """The report's numbers as flat scalars: pooled accuracy `acc/<run>/<family>/<mode>`,
+    first-token KL `kl/<run>/T=<T>/<mode>`, and across seeds `seeds/<job>/<what>/<mode>/mean`
+    and `.../sd`."""
+    out = {}
+    if not suite.empty:
+        pooled = suite[suite["x"].astype(str) == "all"]
+        for row in pooled.itertuples():
+            out[f"acc/{row.label}/{row.family}/{row.mode}"] = row.accuracy
+    if not div.empty:
+        first = div[(div["step"] == 0) & (div["metric"] == "kl")]
+        for row in first.itertuples():
+            out[f"kl/{row.job}/T={row.T}/{row.mode}"] = row.mean
+    for row in seeds.itertuples():
+        key = f"seeds/{row.job}/{row.what.replace(' ', '_')}/{row.mode or 'all'}"
+        out[f"{key}/mean"], out[f"{key}/sd"] = row.mean, row.sd
+    return out
+
+
+def _log_wandb(group: str, out: Path, plots, tables: dict, config: dict | None = None,
+               project: str = "ced", name: str | None = None,
+               scalars: dict | None = None) -> None:
+    """The report's plots and tables as one wandb run (job_type=report) in the study's group,
+    with the study's status (steps, seeds, scale) as its config; offline unless WANDB_MODE
+    says otherwise."""
     import wandb
-    run = wandb.init(project="ced", group=group, job_type="report", name=f"{group}-report",
+    run = wandb.init(project=project, group=group, job_type="report",
+                     name=name or f"{group}-report", config=config or {},
                      mode=os.environ.get("WANDB_MODE", "offline"), dir=str(out),
                      settings=wandb.Settings(silent=True))
     log = {f"plots/{p.stem}": wandb.Image(str(p)) for _, p, _ in plots}
@@ -543,6 +628,8 @@ def _log_wandb(group: str, out: Path, plots, tables: dict) -> None:
         if table is not None and not table.empty:
             log[f"tables/{key}"] = wandb.Table(dataframe=table.astype(str))
     run.log(log)
+    from ced.tracking import log_scalars
+    log_scalars(run, scalars or {})
     run.finish()
 
 
@@ -552,8 +639,11 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study_dir")
     parser.add_argument("--no-wandb", action="store_true")
+    parser.add_argument("--wandb-project", default="ced", help="the one project of every run")
+    parser.add_argument("--wandb-group", default=None, help="default: the study's name")
     args = parser.parse_args(argv)
-    path = build_report(args.study_dir, wandb=not args.no_wandb)
+    path = build_report(args.study_dir, wandb=not args.no_wandb, group=args.wandb_group,
+                        project=args.wandb_project)
     print(f"report: {path}")
     return 0
 

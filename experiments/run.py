@@ -1,70 +1,117 @@
-"""Run a named study: train its jobs, evaluate them, write the report. Resumes what is done.
+"""Run a named study: train its jobs (once per seed), evaluate them, write the report.
 
-    python -m experiments.run study=<name> [out=outputs/studies/<name>] [scale=demo|full]
-                              [threads=2] [wandb=true] [only=train|eval|report]
+    python -m experiments.run study=<name> [out=DIR] [scale=demo|full] [seeds=[0,1,2]]
+                              [threads=2] [wandb=true] [group=G] [on_change=refuse|rerun]
+                              [only=train|eval|report|plan]
 
-A study is `conf/experiment/<name>.yaml` (see README.md, "Studies"): training jobs as
-Hydra override lists for `python -m ced.train`, plus divergence and suite settings. Layout of
-the study directory:
+`only=plan` prints the resolved study and what would happen to every training run (skip,
+train, resume, refuse, rerun, and why) without running anything.
+    python -m experiments.run --help | --cfg job study=<name> | -m study=a,b
 
-    runs/<job>/             each job's Hydra run directory (metrics.jsonl, final/, wandb/)
-    divergence/             evals.divergence over every trained checkpoint with a decoder
-    suite/<label>/          evals.suites per checkpoint (and per eval-time top-k override)
-    logs/<step>.log         the full output of every subprocess
-    report/                 report.md, report.html, PNG plots (evals.report)
-    summary.json            the status of every step: ok / skipped (done before) / failed
+A Hydra app over `conf/study.yaml` (keys: `DriverConfig`). A study is
+`conf/experiment/<name>.yaml`, checked against `experiments.study.StudyConfig` (see README.md,
+"Studies"): training jobs as Hydra override lists for `python -m ced.train`, the seeds each
+job is trained with, and divergence and suite settings. Layout of the study directory:
 
-A job whose `final/model.safetensors` exists is not trained again; an evaluation whose outputs
-exist is not run again. A failed step is recorded (return code, last lines of output) and the
-others go on; the exit code is 1 if anything failed.
+    runs/<job>/seed<k>/        each training run's Hydra directory (metrics.jsonl, final/, wandb/)
+    divergence/                evals.divergence over every trained checkpoint with a decoder
+    suite/<job>/seed<k>[@topk=K]/   evals.suites per checkpoint (and eval-time top-k override)
+    logs/<step>.log            the full output of every subprocess
+    report/                    report.md, report.html, PNG plots (evals.report)
+    summary.json               the status of every step: ok / skipped / failed / refused
+
+Every step records the hash of its inputs (`study_step.json` in its directory: for training,
+the normalised overrides and seed; for evaluations, their settings and the hashes of the
+checkpoints they read). A step whose outputs exist with the same hash is skipped. A training
+run whose config changed is refused (`on_change=refuse`, the default: the step fails, the old
+run stays) or moved aside to `<run>.old-<hash>` and trained again (`on_change=rerun`); an
+evaluation whose inputs changed is rerun. A training run interrupted with the same config
+resumes from its last checkpoint. A failed step is recorded (return code, last lines of
+output) and the others go on; the exit code is 1 if anything failed (in a multirun, the job
+raises instead, so that the other jobs run).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, List, Optional
 
-from omegaconf import OmegaConf
+from .study import (STUDY_DIR, StudyConfig, StudyError, config_hash, load_study,
+                    normalise_overrides)
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDY_DIR = ROOT / "conf" / "experiment"
+CONF_DIR = str(ROOT / "conf")
 TAIL_BYTES = 4000
+STAMP = "study_step.json"
+# Overrides that say how or where a run goes, not what it trains: not part of its config hash.
+BOOKKEEPING = ("train.threads", "train.resume", "train.progress", "logging", "logging.",
+               "hydra.")
+
+
+@dataclass
+class DriverConfig:
+    """The driver's own options (conf/study.yaml)."""
+
+    study: str = "???"
+    out: Optional[str] = None
+    scale: str = "demo"
+    seeds: Optional[List[int]] = None
+    threads: Optional[int] = None
+    wandb: bool = True
+    project: str = "ced"
+    group: Optional[str] = None
+    only: str = "all"
+    on_change: str = "refuse"
+
+    def check(self) -> None:
+        if self.study in ("???", "", None):
+            known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+            raise StudyError(f"study: required (study=<name>); known studies: {known}")
+        if self.only not in ("all", "train", "eval", "report", "plan"):
+            raise StudyError(f"only: must be all, train, eval, report or plan; got "
+                             f"{self.only!r}")
+        if self.on_change not in ("refuse", "rerun"):
+            raise StudyError(f"on_change: must be refuse or rerun; got {self.on_change!r}")
+        if self.threads is not None and self.threads < 1:
+            raise StudyError(f"threads: must be null or >= 1; got {self.threads}")
+
+
+DRIVER_KEYS = sorted(f.name for f in fields(DriverConfig))
+
+
+def check_driver_overrides(argv: list[str]) -> None:
+    """Unknown driver keys as one line (Hydra's own message spans several)."""
+    for item in argv:
+        if item.startswith("-") or "=" not in item or item.startswith(("hydra", "+hydra")):
+            continue
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key not in DRIVER_KEYS:
+            raise StudyError(f"{key}: unknown driver key; allowed: {DRIVER_KEYS} (study "
+                             f"settings belong in conf/experiment/<study>.yaml)")
+
+
+def _is_bookkeeping(item: str) -> bool:
+    key = item.split("=", 1)[0].lstrip("+~")
+    return key in BOOKKEEPING or key.startswith(tuple(b for b in BOOKKEEPING if b.endswith(".")))
+
+
+def describe_change(old: list[str], new: list[str]) -> str:
+    """The overrides that differ between two normalised lists, as one short line."""
+    removed = [o for o in old if o not in new]
+    added = [o for o in new if o not in old]
+    parts = [f"-{o}" for o in removed] + [f"+{o}" for o in added]
+    text = " ".join(parts) or "(same overrides; code or layout changed)"
+    return text if len(text) < 300 else text[:297] + "..."
 
 
 # ---- the study config --------------------------------------------------------------------------
-
-def load_study(name: str, scale: str = "demo") -> dict:
-    """conf/experiment/<name>.yaml with its `scales.<scale>` section applied (train overrides
-    appended, divergence/suite keys merged)."""
-    path = Path(name) if name.endswith(".yaml") else STUDY_DIR / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
-        raise SystemExit(f"study {name!r}: no {path}; known studies: {known}")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    scales = raw.pop("scales", {}) or {}
-    if scale not in scales and scale not in ("demo", "full"):
-        raise SystemExit(f"scale {scale!r}: the study defines {sorted(scales)}")
-    extra = scales.get(scale) or {}
-    study = {"name": raw.get("name", path.stem), "description": raw.get("description", ""),
-             "train": list(raw.get("train") or []) + list(extra.get("train") or []),
-             "jobs": list(raw.get("jobs") or []),
-             "divergence": {**(raw.get("divergence") or {}), **(extra.get("divergence") or {})},
-             "suite": {**(raw.get("suite") or {}), **(extra.get("suite") or {})},
-             "scale": scale}
-    if raw.get("divergence") is None and "divergence" in raw:
-        study["divergence"] = None
-    if raw.get("suite") is None and "suite" in raw:
-        study["suite"] = None
-    names = [j["name"] for j in study["jobs"]]
-    if len(set(names)) != len(names) or not names:
-        raise SystemExit(f"study {name!r}: jobs need distinct names; got {names}")
-    return study
-
 
 def resolve_lengths(values: list, cfg: dict) -> list:
     """Replay lengths written as ints or as 'W', 'W/4', '2W', 'R_exact' -> ints (for `cfg`, a
@@ -93,8 +140,6 @@ def resolve_lengths(values: list, cfg: dict) -> list:
             out.append(v)
     return out
 
-
-# ---- subprocesses ---------------------------------------------------------------------------
 
 def stream(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
     """Run `cmd`, copying its output (stdout and stderr) to ours and to `log` as it comes;
@@ -126,13 +171,30 @@ def banner(text: str) -> None:
 
 # ---- the steps --------------------------------------------------------------------------------
 
+def _read_stamp(directory: Path) -> dict | None:
+    path = directory / STAMP
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:
+        return None
+
+
+def _write_stamp(directory: Path, payload: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / STAMP).write_text(json.dumps(payload, indent=1))
+
+
 class Study:
-    def __init__(self, spec: dict, out: Path, threads: int, wandb: bool = True):
+    """One invocation of the driver over a study directory."""
+
+    def __init__(self, spec: StudyConfig, out: Path, threads: int, wandb: bool = True,
+                 group: str | None = None, project: str = "ced", on_change: str = "refuse"):
         self.spec, self.out, self.threads, self.wandb = spec, out, threads, wandb
+        self.group, self.project, self.on_change = group or spec.name, project, on_change
         self.status: dict[str, dict] = {}
         self.started = time.time()
-        self.env = {"WANDB_RUN_GROUP": spec["name"], "WANDB_SILENT": "true",
-                    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        self.env = {"WANDB_RUN_GROUP": self.group, "WANDB_PROJECT": project,
+                    "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                     "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
         os.environ.setdefault("WANDB_MODE", "offline")
 
@@ -141,89 +203,175 @@ class Study:
         self.status[key] = {"state": state, **info}
         self.write_summary()
 
+    def failed(self) -> list[str]:
+        return [k for k, v in self.status.items() if v["state"] in ("failed", "refused")]
+
     def write_summary(self) -> None:
-        failed = [k for k, v in self.status.items() if v["state"] == "failed"]
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "summary.json").write_text(json.dumps({
-            "study": self.spec["name"], "scale": self.spec["scale"],
-            "description": self.spec["description"], "out": str(self.out),
-            "steps": self.status, "failed": failed,
+            "study": self.spec.name, "scale": self.spec.scale,
+            "description": self.spec.description, "seeds": list(self.spec.seeds),
+            "out": str(self.out), "steps": self.status, "failed": self.failed(),
             "elapsed_s": round(time.time() - self.started, 1)}, indent=1))
 
-    def run_dir(self, job: str) -> Path:
-        return self.out / "runs" / job
+    def runs(self) -> list[tuple[str, int, str]]:
+        """(job, seed, label) of every training run, label = '<job>/seed<k>'."""
+        return [(job.name, seed, f"{job.name}/seed{seed}")
+                for job in self.spec.jobs for seed in self.spec.seeds]
 
-    def checkpoints(self) -> dict[str, Path]:
-        """job -> final/ of every job that has finished training."""
+    def run_dir(self, label: str) -> Path:
+        return self.out / "runs" / label
+
+    def train_overrides(self, job_name: str, seed: int) -> list[str]:
+        """What the run trains: the study's overrides, the job's, and the seed (normalised,
+        without bookkeeping keys): the input of the training step's config hash."""
+        job = next(j for j in self.spec.jobs if j.name == job_name)
+        items = [*self.spec.train, *job.overrides, f"train.seed={seed}"]
+        return normalise_overrides([o for o in items if not _is_bookkeeping(o)])
+
+    def checkpoints(self) -> dict[str, tuple[Path, str]]:
+        """label -> (final/, its training hash) of every run that finished training."""
         out = {}
-        for job in self.spec["jobs"]:
-            final = self.run_dir(job["name"]) / "final"
-            if (final / "model.safetensors").exists():
-                out[job["name"]] = final
+        for job, seed, label in self.runs():
+            run_dir = self.run_dir(label)
+            final = run_dir / "final"
+            stamp = _read_stamp(run_dir)
+            weights = final / "model.safetensors"
+            if weights.exists():
+                # A run trained outside the driver (e.g. a SLURM array placed here) has no
+                # record: its identity is the checkpoint itself.
+                out[label] = (final, stamp["hash"] if stamp else config_hash(
+                    {"external": (final / "config.json").read_text(),
+                     "weights": weights.stat().st_mtime_ns}))
         return out
 
     # training
+    def decide(self, job_name: str, seed: int, label: str) -> tuple[str, str, str]:
+        """What training run `label` needs: (action, config hash, reason), action one of
+        skip (done with this config), train (never started), resume (interrupted, same
+        config), refuse / rerun (its config changed; which one is `on_change`)."""
+        run_dir = self.run_dir(label)
+        wanted = self.train_overrides(job_name, seed)
+        digest = config_hash(wanted)
+        stamp = _read_stamp(run_dir)
+        finished = (run_dir / "final" / "model.safetensors").exists()
+        started = finished or (run_dir / "checkpoints").exists()
+        if stamp is not None and stamp["hash"] == digest:
+            if finished:
+                return "skip", digest, f"done before with the same config (hash {digest})"
+            if started:
+                return "resume", digest, (f"interrupted before with the same config (hash "
+                                          f"{digest}); resuming from its last checkpoint")
+        if not started:
+            return "train", digest, "not trained yet"
+        old = stamp["hash"] if stamp else "unknown"
+        change = (describe_change(stamp["overrides"], wanted) if stamp else
+                  "no study_step.json: trained outside the driver; only=eval evaluates it "
+                  "as it is")
+        reason = f"config changed since it was trained (hash {old} -> {digest}: {change})"
+        return ("refuse" if self.on_change == "refuse" else "rerun"), digest, reason
+
+    def plan(self) -> list[dict]:
+        """What `only=all` would do to every training run, without doing it."""
+        rows = []
+        for job_name, seed, label in self.runs():
+            action, digest, reason = self.decide(job_name, seed, label)
+            rows.append({"run": label, "action": action, "hash": digest, "reason": reason})
+            print(f"[study] plan {label}: {action.upper()} - {reason}", flush=True)
+        return rows
+
     def train(self) -> None:
-        jobs = self.spec["jobs"]
-        for i, job in enumerate(jobs, 1):
-            name, key = job["name"], f"train/{job['name']}"
-            run_dir = self.run_dir(name)
-            if (run_dir / "final" / "model.safetensors").exists():
-                print(f"[study] train {name}: done before, skipped", flush=True)
-                self.record(key, "skipped", run_dir=str(run_dir))
+        runs = self.runs()
+        for i, (job_name, seed, label) in enumerate(runs, 1):
+            key, run_dir = f"train/{label}", self.run_dir(label)
+            job = next(j for j in self.spec.jobs if j.name == job_name)
+            wanted = self.train_overrides(job_name, seed)
+            action, digest, reason = self.decide(job_name, seed, label)
+            if action == "skip":
+                print(f"[study] train {label}: {reason}, skipped", flush=True)
+                self.record(key, "skipped", run_dir=str(run_dir), hash=digest)
                 continue
-            overrides = [*self.spec["train"], *job.get("overrides", []),
+            if action == "refuse":
+                print(f"[study] train {label}: REFUSED: {reason}; the old run is kept. Pass "
+                      f"on_change=rerun to retrain, or use another out=", flush=True)
+                self.record(key, "refused", run_dir=str(run_dir), hash=digest, reason=reason)
+                continue
+            if action == "rerun":
+                old = (_read_stamp(run_dir) or {}).get("hash", "unknown")
+                aside = run_dir.with_name(f"{run_dir.name}.old-{old}")
+                shutil.rmtree(aside, ignore_errors=True)
+                run_dir.rename(aside)
+                print(f"[study] train {label}: {reason}; RERUNNING (on_change=rerun); the old "
+                      f"run moved to {aside}", flush=True)
+            elif action == "resume":
+                print(f"[study] train {label}: {reason}", flush=True)
+            _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
+                                   "seed": seed})
+            overrides = [*self.spec.train, *job.overrides, f"train.seed={seed}",
                          f"train.threads={self.threads}", "train.resume=auto",
-                         f"logging.group={self.spec['name']}",
-                         f"logging.name={self.spec['name']}-{name}",
+                         f"logging.project={self.project}", f"logging.group={self.group}",
+                         f"logging.name={self.spec.name}-{job_name}-seed{seed}",
                          f"hydra.run.dir={run_dir}"]
             if not self.wandb:
                 overrides.append("logging=none")
-            banner(f"train {i}/{len(jobs)}: {name} ({' '.join(job.get('overrides', []))})")
+            banner(f"train {i}/{len(runs)}: {label} ({' '.join(job.overrides)})")
+            log = self.out / "logs" / f"train_{job_name}_seed{seed}.log"
             t0 = time.time()
-            code, tail = stream([sys.executable, "-m", "ced.train", *overrides],
-                                self.out / "logs" / f"train_{name}.log", self.env)
+            code, tail = stream([sys.executable, "-m", "ced.train", *overrides], log, self.env)
             secs = round(time.time() - t0, 1)
             if code == 0 and (run_dir / "final" / "model.safetensors").exists():
-                self.record(key, "ok", run_dir=str(run_dir), seconds=secs)
+                self.record(key, "ok", run_dir=str(run_dir), seconds=secs, hash=digest)
             else:
-                print(f"[study] train {name}: FAILED (exit {code}); continuing", flush=True)
+                print(f"[study] train {label}: FAILED (exit {code}); continuing", flush=True)
                 self.record(key, "failed", returncode=code, tail=tail, seconds=secs,
-                            log=str(self.out / "logs" / f"train_{name}.log"))
+                            log=str(log), hash=digest)
 
-    def _reference_config(self, checkpoints: dict[str, Path]) -> dict | None:
+    def _reference_config(self, checkpoints: dict[str, tuple[Path, str]]) -> dict | None:
         """The config.json of the first checkpoint with a decoder (or the first one)."""
-        configs = [json.loads((p / "config.json").read_text()) for p in checkpoints.values()]
+        configs = [json.loads((p / "config.json").read_text()) for p, _ in checkpoints.values()]
         with_decoder = [c for c in configs if c.get("variant") in ("yoco", "ced")]
         return (with_decoder or configs or [None])[0]
 
+    def _fresh(self, label: str, out: Path, done_file: Path, digest: str) -> bool:
+        """True if `out` holds this step's outputs for inputs hashed `digest` (skip it);
+        says so, or says that the inputs changed and the step is rerun."""
+        stamp = _read_stamp(out)
+        if done_file.exists() and stamp is not None and stamp.get("hash") == digest:
+            print(f"[study] {label}: done before with the same inputs (hash {digest}), "
+                  f"skipped", flush=True)
+            return True
+        if done_file.exists():
+            old = stamp.get("hash") if stamp else "unknown"
+            print(f"[study] {label}: inputs changed (hash {old} -> {digest}: a checkpoint was "
+                  f"retrained or the settings changed); rerunning", flush=True)
+        return False
+
     # divergence
     def divergence(self) -> None:
-        spec, key = self.spec.get("divergence"), "divergence"
+        spec, key = self.spec.divergence, "divergence"
         if spec is None:
             return
         checkpoints = self.checkpoints()
-        usable = {j: p for j, p in checkpoints.items()
+        usable = {label: (p, h) for label, (p, h) in checkpoints.items()
                   if json.loads((p / "config.json").read_text()).get("variant") in ("yoco", "ced")}
         if not usable:
             self.record(key, "skipped", reason="no trained checkpoint with a decoder")
             return
         out = self.out / "divergence"
-        done = out / "done.json"
-        wanted = sorted(str(p) for p in usable.values())
-        if done.exists() and json.loads(done.read_text()).get("checkpoints") == wanted:
-            print("[study] divergence: done before, skipped", flush=True)
-            self.record(key, "skipped", out=str(out))
-            return
         config = dict(spec)
         config["replays"] = [v for v in resolve_lengths(
             config.get("replays", [1, 4, 16]), self._reference_config(usable)) if v != "exact"]
-        config["checkpoints"] = wanted
+        config["checkpoints"] = sorted(str(p) for p, _ in usable.values())
+        digest = config_hash({"config": config,
+                              "trained": sorted(h for _, h in usable.values())})
+        if self._fresh("divergence", out, out / "summary.json", digest):
+            self.record(key, "skipped", out=str(out), hash=digest)
+            return
         config["out_dir"] = str(out)
-        config.setdefault("wandb", {})
-        config["wandb"] = {"enabled": self.wandb, "group": self.spec["name"],
-                           **config["wandb"]}
+        config["wandb"] = {"enabled": self.wandb, "group": self.group, "project": self.project,
+                           **(config.get("wandb") or {})}
         out.mkdir(parents=True, exist_ok=True)
+        (out / STAMP).unlink(missing_ok=True)
         (out / "config.json").write_text(json.dumps(config, indent=1))
         banner(f"divergence: {len(usable)} checkpoints, N={config['replays']}, "
                f"T={config.get('lengths')}")
@@ -233,15 +381,15 @@ class Study:
                             self.out / "logs" / "divergence.log", self.env)
         secs = round(time.time() - t0, 1)
         if code == 0 and (out / "summary.json").exists():
-            done.write_text(json.dumps({"checkpoints": wanted}))
-            self.record(key, "ok", out=str(out), seconds=secs)
+            _write_stamp(out, {"hash": digest, "checkpoints": config["checkpoints"]})
+            self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
         else:
             print(f"[study] divergence: FAILED (exit {code}); continuing", flush=True)
             self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
 
     # suite
     def suite(self) -> None:
-        spec = self.spec.get("suite")
+        spec = self.spec.suite
         if spec is None:
             return
         checkpoints = self.checkpoints()
@@ -249,41 +397,45 @@ class Study:
             self.record("suite", "skipped", reason="no trained checkpoint")
             return
         ref = self._reference_config(checkpoints)
-        replays = [v for v in resolve_lengths(spec.get("replay", [8]), ref) if v != "exact"]
-        topks = spec.get("topk") or [None]
-        for job, final in checkpoints.items():
+        replays = [v for v in resolve_lengths(list(spec.replay), ref) if v != "exact"]
+        topks = list(spec.topk) or [None]
+        for run_label, (final, trained) in checkpoints.items():
             variant = json.loads((final / "config.json").read_text()).get("variant")
             for topk in topks:
                 if topk is not None and variant not in ("ced",):
                     continue    # top-k overrides apply to models with a lightning indexer
-                label = job if topk is None else f"{job}@topk={topk}"
+                label = run_label if topk is None else f"{run_label}@topk={topk}"
                 key, out = f"suite/{label}", self.out / "suite" / label
-                if (out / "summary.json").exists():
-                    print(f"[study] suite {label}: done before, skipped", flush=True)
-                    self.record(key, "skipped", out=str(out))
-                    continue
-                cmd = [sys.executable, "-m", "evals.suites", "--checkpoint", str(final),
-                       "--replay", *map(str, replays), "--out", str(out),
-                       "--examples", str(spec.get("examples", 20)),
-                       "--threads", str(self.threads),
-                       *[str(a) for a in spec.get("args", [])]]
-                if spec.get("families"):
-                    cmd += ["--families", *spec["families"]]
-                if spec.get("turns"):
-                    cmd += ["--turns", *map(str, resolve_lengths(spec["turns"], ref))]
+                settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),
+                            *[str(a) for a in spec.args]]
+                if spec.families:
+                    settings += ["--families", *spec.families]
+                if spec.turns:
+                    settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), ref))]
                 if topk is not None:
-                    cmd += ["--topk", str(topk)]
+                    settings += ["--topk", str(topk)]
+                digest = config_hash({"settings": settings, "trained": trained})
+                if self._fresh(f"suite {label}", out, out / "summary.json", digest):
+                    self.record(key, "skipped", out=str(out), hash=digest)
+                    continue
+                (out / STAMP).unlink(missing_ok=True)
+                cmd = [sys.executable, "-m", "evals.suites", "--checkpoint", str(final),
+                       "--out", str(out), "--threads", str(self.threads), *settings]
                 if self.wandb:
-                    cmd += ["--wandb", "--wandb-project", "ced"]
+                    cmd += ["--wandb", "--wandb-project", self.project,
+                            "--wandb-group", self.group]
                 banner(f"suite {label}: N={replays}")
                 t0 = time.time()
-                code, tail = stream(cmd, self.out / "logs" / f"suite_{label}.log", self.env)
+                log = self.out / "logs" / f"suite_{label.replace('/', '_')}.log"
+                code, tail = stream(cmd, log, self.env)
                 secs = round(time.time() - t0, 1)
                 if code == 0 and (out / "summary.json").exists():
-                    self.record(key, "ok", out=str(out), seconds=secs)
+                    _write_stamp(out, {"hash": digest, "checkpoint": str(final)})
+                    self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
                 else:
                     print(f"[study] suite {label}: FAILED (exit {code}); continuing", flush=True)
-                    self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
+                    self.record(key, "failed", returncode=code, tail=tail, seconds=secs,
+                                log=str(log))
 
     # report
     def report(self) -> Path | None:
@@ -292,7 +444,8 @@ class Study:
         self.record("report", "ok", path=str(path))     # what the report shows about itself
         try:
             from evals.report import build_report
-            path = build_report(self.out, wandb=self.wandb)
+            path = build_report(self.out, wandb=self.wandb, group=self.group,
+                                project=self.project)
         except Exception as exc:    # a broken report must not hide the study's results
             import traceback
             traceback.print_exc()
@@ -301,49 +454,43 @@ class Study:
         return path
 
 
-def parse_argv(argv: list[str]) -> dict:
-    args = {"study": None, "out": None, "scale": "demo", "threads": None, "wandb": "true",
-            "only": "all"}
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep or key not in args:
-            raise SystemExit(f"usage: python -m experiments.run study=<name> [out=DIR] "
-                             f"[scale=demo|full] [threads=N] [wandb=true|false] "
-                             f"[only=train|eval|report]; got {item!r}")
-        args[key] = value
-    if not args["study"]:
-        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
-        raise SystemExit(f"study=<name> is required; known studies: {known}")
-    return args
+class StudyFailed(RuntimeError):
+    """Raised by a multirun job whose study had failed steps, so that Hydra records it and
+    the sweep's other jobs still run."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_argv(sys.argv[1:] if argv is None else argv)
-    spec = load_study(args["study"], args["scale"])
-    out = Path(args["out"] or ROOT / "outputs" / "studies" / spec["name"]).resolve()
-    threads = int(args["threads"] or min(os.cpu_count() or 1, 8))
-    study = Study(spec, out, threads, wandb=args["wandb"].lower() in ("1", "true", "yes"))
+def run_study(opts: DriverConfig) -> int:
+    """Load, run and report one study; returns the exit code (0, or 1 if a step failed)."""
+    spec = load_study(opts.study, opts.scale, seeds=opts.seeds)
+    out = Path(opts.out or ROOT / "outputs" / "studies" / spec.name).resolve()
+    threads = int(opts.threads or min(os.cpu_count() or 1, 8))
+    study = Study(spec, out, threads, wandb=opts.wandb, group=opts.group,
+                  project=opts.project, on_change=opts.on_change)
     old = out / "summary.json"
     if old.exists():   # keep the record of steps this invocation does not redo
         try:
             study.status = json.loads(old.read_text()).get("steps", {})
         except ValueError:
             pass
-    print(f"[study] {spec['name']} (scale={spec['scale']}): {len(spec['jobs'])} jobs -> {out}",
-          flush=True)
-    only = args["only"]
-    if only in ("all", "train"):
+    print(f"[study] {spec.name} (scale={spec.scale}): {len(spec.jobs)} jobs x seeds "
+          f"{list(spec.seeds)} -> {out}", flush=True)
+    if opts.only == "plan":
+        from omegaconf import OmegaConf
+        print(OmegaConf.to_yaml(OmegaConf.structured(spec)), flush=True)
+        study.plan()
+        return 0
+    if opts.only in ("all", "train"):
         study.train()
-    if only in ("all", "eval"):
+    if opts.only in ("all", "eval"):
         study.divergence()
         study.suite()
     path = None
-    if only in ("all", "report"):
+    if opts.only in ("all", "report"):
         path = study.report()
     study.write_summary()
-    failed = [k for k, v in study.status.items() if v["state"] == "failed"]
+    failed = study.failed()
     elapsed = time.time() - study.started
-    print(f"\n[study] {spec['name']} finished in {elapsed:.0f}s; "
+    print(f"\n[study] {spec.name} finished in {elapsed:.0f}s; "
           + (f"FAILED: {', '.join(failed)}" if failed else "all steps ok"), flush=True)
     print(f"summary: {out / 'summary.json'}")
     if path is not None:
@@ -351,5 +498,38 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _hydra_task(cfg) -> int:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    try:
+        raw = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
+        opts = DriverConfig(**raw)
+        opts.check()
+        code = run_study(opts)
+    except StudyError as exc:
+        print(f"study error: {exc}", file=sys.stderr, flush=True)
+        if multirun:
+            raise
+        sys.exit(2)
+    if code and multirun:
+        raise StudyFailed(f"study {opts.study}: some steps failed (see its summary.json)")
+    if code:
+        sys.exit(code)
+    return code
+
+
+def main() -> None:
+    """Console entry (`ced-study`): Hydra main over conf/study.yaml."""
+    import hydra
+    try:
+        check_driver_overrides(sys.argv[1:])
+    except StudyError as exc:
+        print(f"study error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="study")(_hydra_task)()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

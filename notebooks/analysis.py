@@ -61,7 +61,7 @@ pd.DataFrame([{"step": k, **{c: v.get(c) for c in ("state", "seconds", "returnco
 
 # %% [markdown]
 # ## Training curves
-# `runs/<job>/metrics.jsonl`: one line per step, validation loss every `train.eval_every`.
+# `runs/<job>/seed<k>/metrics.jsonl`: one line per step, validation loss every `train.eval_every`.
 
 # %%
 runs = R.load_runs(study)
@@ -135,7 +135,7 @@ for label, run_info in info.items():
         ax.set_xlabel("distance")
         ax.set_ylim(-0.05, 1.05)
         ax.legend(fontsize=6)
-    show(fig, f"accuracy_{label.replace('@', '_')}")
+    show(fig, f"accuracy_{R.file_label(label)}")
 R.pooled_accuracy(suite)
 
 # %% [markdown]

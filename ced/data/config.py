@@ -28,6 +28,11 @@ class DataConfig:
       split=hf_split)[text_field]`; name is a builder (json | parquet | text | csv) with local
       files, a local dataset path, or a hub name (online only); null name: inferred from the
       files' extension. Relative files are resolved against the original working directory.
+    subset, revision, streaming, max_documents (hf): a hub dataset's configuration (subset)
+      name, the git revision (branch, tag or commit) to pin, and streaming=true to read
+      documents as they download instead of fetching the whole dataset; streaming needs
+      max_documents (the first documents of the split are used), which also caps a
+      non-streaming read.
     validation_fraction (stdlib, hf): fraction of documents (by a stable hash of their identity)
       in the validation split.
     mixture (mixture): list of component configs (the keys above) each with a `weight`; a
@@ -42,6 +47,10 @@ class DataConfig:
     files: Optional[List[str]] = None
     text_field: str = "text"
     hf_split: str = "train"
+    subset: Optional[str] = None
+    revision: Optional[str] = None
+    streaming: bool = False
+    max_documents: Optional[int] = None
     validation_fraction: float = 0.05
     mixture: Optional[List[Any]] = None
     seed: int = 0

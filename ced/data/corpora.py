@@ -8,7 +8,7 @@ import glob
 import hashlib
 import os
 import sysconfig
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -145,25 +145,67 @@ def hf_source(name: Optional[str], files: tuple[str, ...], key: str) -> str:
     return name
 
 
+def hub_options(c: dict, key: str) -> tuple[tuple[str, Any], ...]:
+    """data.subset / .revision / .streaming / .max_documents, checked, as hashable
+    load_dataset options (subset is load_dataset's `name`)."""
+    out: list[tuple[str, Any]] = []
+    for field_name, arg in (("subset", "name"), ("revision", "revision")):
+        value = c.get(field_name)
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{key}.{field_name} must be null or a non-empty string, "
+                                 f"got {value!r}")
+            out.append((arg, value))
+    streaming, limit = c.get("streaming", False), c.get("max_documents")
+    if not isinstance(streaming, bool):
+        raise ValueError(f"{key}.streaming must be true or false, got {streaming!r}")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"{key}.max_documents must be null or an integer >= 1, got {limit!r}")
+    if streaming and limit is None:
+        raise ValueError(f"{key}.max_documents: required with {key}.streaming=true (a stream "
+                         f"has no end to stop at); e.g. {key}.max_documents=100000")
+    if streaming:
+        out.append(("streaming", True))
+    if limit is not None:
+        out.append(("max_documents", limit))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=4)
 def hf_streams(source: str, files: tuple[str, ...], text_field: str, hf_split: str,
-               fraction: float, key: str) -> dict[str, torch.Tensor]:
+               fraction: float, key: str,
+               hub: tuple[tuple[str, Any], ...] = ()) -> dict[str, torch.Tensor]:
     """load_dataset(...)[text_field], split by a stable hash of each document's text (so
-    duplicates land in the same split)."""
+    duplicates land in the same split). `hub`: see hub_options."""
+    import itertools
+
     import datasets
 
+    options = dict(hub)
+    limit = options.pop("max_documents", None)
     kwargs = {"data_files": list(files)} if files else {}
     try:
-        ds = datasets.load_dataset(source, split=hf_split, **kwargs)
+        ds = datasets.load_dataset(source, split=hf_split, **kwargs, **options)
     except Exception as e:                   # noqa: BLE001 - re-raised with the config keys
         raise ValueError(f"{key}.name/{key}.hf_split: load_dataset({source!r}, "
-                         f"split={hf_split!r}) failed: {e}") from e
-    if text_field not in ds.column_names:
+                         f"split={hf_split!r}, {options}) failed: {e}") from e
+    columns = ds.column_names
+    if columns is None:                      # a stream may not know its columns up front
+        columns = list(next(iter(ds)).keys())
+    if text_field not in columns:
         raise ValueError(f"{key}.text_field={text_field!r} is not a column; columns: "
-                         f"{', '.join(ds.column_names)}")
+                         f"{', '.join(columns)}")
+
+    def texts():
+        if options.get("streaming"):
+            for row in itertools.islice(ds, limit):
+                yield row[text_field]
+        else:                                # a column read is much faster than row by row
+            part = ds if limit is None else ds.select(range(min(limit, len(ds))))
+            yield from part[text_field]
 
     def docs():
-        for i, text in enumerate(ds[text_field]):
+        for i, text in enumerate(texts()):
             if text is None:
                 continue
             if not isinstance(text, str):

@@ -263,6 +263,7 @@ def _build(c: dict[str, Any], split: str, key: str) -> _RowSource:
     source = corpora.hf_source(c["name"], files, key)
     text_field = check_str(f"{key}.text_field", c["text_field"])
     hf_split = check_str(f"{key}.hf_split", c["hf_split"])
+    hub = corpora.hub_options(c, key)
     streams = functools.partial(corpora.hf_streams, source, files, text_field, hf_split,
-                                fraction, key)              # a partial: sources pickle
+                                fraction, key, hub)         # a partial: sources pickle
     return CorpusSource(streams, seed, split, key)

@@ -20,6 +20,15 @@ def main() -> None:
     if sys.argv[1:2] == ["write-tasks"]:           # python -m evals.lmeval write-tasks ...
         from evals.lmeval.tasks import main as write_tasks_main
         sys.exit(write_tasks_main(sys.argv[2:]))
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        # lm-eval's own help follows; it cannot know our extra sub-command.
+        print("python -m evals.lmeval write-tasks --checkpoint DIR --replay N [N ...] --out DIR "
+              "[--examples K] [--families F ...] [--per-point]\n"
+              "    writes the edge-case families as lm-eval tasks (ced_<family>, groups "
+              "ced_suite and ced_suite_gen); `write-tasks --help` for every option.\n"
+              "python -m evals.lmeval --model ced --model_args checkpoint=DIR,replay=N "
+              "--include_path DIR --tasks ced_suite\n"
+              "    lm-eval's CLI with --model ced registered; its options:\n", flush=True)
     import evals.lmeval  # noqa: F401  registers --model ced
     from lm_eval.__main__ import cli_evaluate
 

@@ -6,11 +6,15 @@
 For each family F of evals.suites (the same documents the suite runner evaluates):
   data/F.jsonl      the documents (context, target, family, x, distance, params, ...)
   ced_F.yaml        output_type loglikelihood, metric acc: every target byte is the argmax,
-                    teacher-forced (the suite runner's exact match); tag ced_suite
+                    teacher-forced (the suite runner's exact match)
   ced_F_gen.yaml    output_type generate_until, metric exact_match: greedy generation until
-                    EOS or a newline, compared with the target; tag ced_suite_gen
+                    EOS or a newline, compared with the target
+  ced_suite.yaml    the group of every ced_F, with an aggregate acc (mean weighted by size)
+  ced_suite_gen.yaml  the group of every ced_F_gen, with an aggregate exact_match
   ced_F_x<x>.yaml   (per_point=True) one loglikelihood task per swept value x of F; tag
                     ced_F_points
+Each family's documents are interleaved over its swept values (x1, x2, ..., x1, x2, ...), so
+that `--limit k` samples every distance rather than the first k documents of the first one.
 The YAMLs hold absolute paths to data/, so they are generated where they are used (never
 committed). Every YAML names `process_docs: !function evals.lmeval.tasks.process_docs` (the
 identity): lm-eval imports that module, which registers `--model ced`, whenever it resolves the
@@ -50,7 +54,7 @@ def _yaml(config: dict) -> str:
 def _task(name: str, data: Path, tag: str, generate: bool, max_target: int) -> dict:
     config = {
         "task": name,
-        "tag": [tag],
+        **({"tag": [tag]} if tag else {}),
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
         "test_split": "test",
@@ -77,6 +81,32 @@ def _task(name: str, data: Path, tag: str, generate: bool, max_target: int) -> d
     return config
 
 
+def interleave_points(docs: list[dict]) -> list[dict]:
+    """Per family, the documents reordered round-robin over their x values (the first
+    example of every x, then the second, ...); families keep their order."""
+    first: dict[str, int] = {}                  # family -> its first index in docs
+    x_order: dict[tuple, int] = {}              # (family, x) -> rank of x within the family
+    seen: dict[tuple, int] = {}                 # (family, x) -> documents of it so far
+    keyed = []
+    for i, doc in enumerate(docs):
+        family, point = doc["family"], (doc["family"], doc["x"])
+        first.setdefault(family, i)
+        if point not in x_order:
+            x_order[point] = sum(1 for f, _ in x_order if f == family)
+        position = seen.get(point, 0)
+        seen[point] = position + 1
+        keyed.append(((first[family], position, x_order[point]), i, doc))
+    return [doc for _, _, doc in sorted(keyed, key=lambda item: item[:2])]
+
+
+def _group(name: str, tasks: list[str], metric: str) -> dict:
+    """An lm-eval group over `tasks` whose score is `metric` averaged over every document."""
+    return {"group": name, "task": tasks,
+            "aggregate_metric_list": [{"metric": metric, "aggregation": "mean",
+                                       "weight_by_size": True}],
+            "metadata": {"version": 1.0}}
+
+
 def write_tasks(out_dir: str | Path, settings: SuiteSettings, examples: int = 20,
                 families: Iterable[str] | None = None, generate: bool = True,
                 per_point: bool = False, docs: list[dict] | None = None,
@@ -87,14 +117,15 @@ def write_tasks(out_dir: str | Path, settings: SuiteSettings, examples: int = 20
     out.mkdir(parents=True, exist_ok=True)
     if docs is None:
         docs = build_documents(settings, examples, families, seed_offset=seed_offset)
+    docs = interleave_points(docs)
     data = write_jsonl(docs, out / "data")
     written = {}
     for family, path in data.items():
         rows = [d for d in docs if d["family"] == family]
         longest = max(len(target_ids(d)) for d in rows)
-        specs = [(f"ced_{family}", path, "ced_suite", False)]
+        specs = [(f"ced_{family}", path, None, False)]
         if generate:
-            specs.append((f"ced_{family}_gen", path, "ced_suite_gen", True))
+            specs.append((f"ced_{family}_gen", path, None, True))
         if per_point:
             for x in sorted({d["x"] for d in rows}):
                 point = out / "data" / family / f"x{x}.jsonl"
@@ -105,6 +136,13 @@ def write_tasks(out_dir: str | Path, settings: SuiteSettings, examples: int = 20
             yaml_path = out / f"{name}.yaml"
             yaml_path.write_text(_yaml(_task(name, data_path, tag, gen, longest)))
             written[name] = yaml_path
+    groups = [("ced_suite", [f"ced_{f}" for f in data], "acc")]
+    if generate:
+        groups.append(("ced_suite_gen", [f"ced_{f}_gen" for f in data], "exact_match"))
+    for name, members, metric in groups:
+        yaml_path = out / f"{name}.yaml"
+        yaml_path.write_text(_yaml(_group(name, members, metric)))
+        written[name] = yaml_path
     return written
 
 

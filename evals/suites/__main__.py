@@ -50,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--wandb", action="store_true",
                    help="log tables and the plot to wandb (offline unless WANDB_MODE is set)")
-    p.add_argument("--wandb-project", default="ced-suite")
+    p.add_argument("--wandb-project", default="ced", help="the one project of every ced run")
+    p.add_argument("--wandb-group", default=None,
+                   help="wandb group (default: $WANDB_RUN_GROUP, else 'suite')")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
             extra_distances=args.distances, max_length=args.max_length,
             needle_distractors=args.needle_distractors, alpha=args.alpha,
             seed_offset=args.seed_offset, make_plot=not args.no_plot, wandb=args.wandb,
-            wandb_project=args.wandb_project, progress=not args.quiet)
+            wandb_project=args.wandb_project, wandb_group=args.wandb_group,
+            progress=not args.quiet)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

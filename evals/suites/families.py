@@ -36,6 +36,7 @@ Families (spec 4; see each `points_*` function):
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -334,11 +335,22 @@ def build_documents(settings: SuiteSettings, examples: int, families: Iterable[s
     if examples < 1:
         raise ValueError(f"examples: must be >= 1; got {examples}")
     docs = []
+    requested = families is not None
     for name in families or FAMILIES:
         fam = FAMILIES.get(name)
         if fam is None:
             raise ValueError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
-        for point in fam.points(settings):
+        points = fam.points(settings)
+        if not points:
+            # A family asked for by name that evaluates nothing would let a study report an
+            # empty result as if it had been measured.
+            message = (f"family {name}: no points for these settings (replays "
+                       f"{list(settings.replays)}, W={settings.window}, prompt length cap "
+                       f"{settings.length_cap})" + _no_points_hint(name))
+            if requested:
+                raise ValueError(message)
+            print(f"warning: {message}; skipped", file=sys.stderr)
+        for point in points:
             chance = chance_accuracy(fam.task, **{k: v for k, v in point.params.items()
                                                   if k not in ("distance", "length")})
             for i in range(examples):
@@ -357,6 +369,14 @@ def build_documents(settings: SuiteSettings, examples: int, families: Iterable[s
                     "context": ex.context, "target": ex.target,
                 })
     return docs
+
+
+def _no_points_hint(name: str) -> str:
+    if name != "short":
+        return ""
+    shortest = next((t for t in range(1, 4096) if _kv_at_length(t) is not None), None)
+    return (f"; short needs a replay N >= {shortest} (its shortest prompt)" if shortest
+            else "")
 
 
 def prompt_ids(doc: dict) -> list[int]:

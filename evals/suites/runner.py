@@ -376,8 +376,8 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
               topk: int | str | None = None, extra_distances: Iterable[int] = (),
               max_length: int | None = None, needle_distractors: int | None = None,
               alpha: float = 0.05, seed_offset: int = 0, make_plot: bool = True,
-              wandb: bool = False, wandb_project: str = "ced-suite",
-              progress: bool = True) -> dict:
+              wandb: bool = False, wandb_project: str = "ced",
+              wandb_group: str | None = None, progress: bool = True) -> dict:
     """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings"}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -425,7 +425,7 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
                              title=f"{Path(checkpoint).name}: {cfg.variant}, W={cfg.window}, "
                                    f"R_exact={settings.r_exact}")
     if wandb:
-        _log_wandb(wandb_project, run_info, summary, drops, paths, out)
+        _log_wandb(wandb_project, run_info, summary, drops, paths, out, group=wandb_group)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return {"summary": summary, "drops": drops, "tests": tests, "rows": rows, "paths": paths,
@@ -433,11 +433,13 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
 
 
 def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[dict],
-               paths: dict, out: Path) -> None:
-    """Offline unless WANDB_MODE says otherwise; `wandb sync <out>/wandb/offline-run-*`."""
+               paths: dict, out: Path, group: str | None = None) -> None:
+    """Offline unless WANDB_MODE says otherwise; `wandb sync <out>/wandb/offline-run-*`.
+    The group defaults to WANDB_RUN_GROUP (set by the study driver), else "suite"."""
     import wandb
 
     run = wandb.init(project=project, dir=str(out), job_type="suite",
+                     group=group or os.environ.get("WANDB_RUN_GROUP") or "suite",
                      mode=os.environ.get("WANDB_MODE", "offline"),
                      config={k: v for k, v in run_info.items() if k != "warnings"})
     cols = list(summary[0]) if summary else []
@@ -448,5 +450,19 @@ def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[di
                                                    for c in DROP_FIELDS] for d in drops])})
     if "plot" in paths:
         run.log({"accuracy": wandb.Image(str(paths["plot"]))})
+    from ced.tracking import log_scalars, use_checkpoints
+    use_checkpoints(run, [run_info["checkpoint"]])
+    log_scalars(run, suite_scalars(summary))
     run.summary["capability_drops"] = len(drops)
     run.finish()
+
+
+def suite_scalars(summary: list[dict]) -> dict[str, float]:
+    """Accuracy per (family, mode) pooled over distances (`acc/<family>/<mode>`, the mode
+    naming N, e.g. replay=8) and per (family, mode, x) (`acc/<family>/<mode>/<x_name>=<x>`),
+    as flat scalars for dashboards."""
+    out = {}
+    for s in summary:
+        key = f"acc/{s['family']}/{s['mode']}"
+        out[key if str(s["x"]) == "all" else f"{key}/{s['x_name']}={s['x']}"] = s["accuracy"]
+    return out

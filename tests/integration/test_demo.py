@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.run import STUDY_DIR, load_study, resolve_lengths
+from experiments.run import STUDY_DIR, resolve_lengths
+from experiments.study import load_study
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,15 +37,16 @@ def test_study_runs_end_to_end_and_reports_the_failed_job(tiny_study):
     assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]  # one job fails
     summary = json.loads((out / "summary.json").read_text())
     steps = summary["steps"]
-    assert summary["failed"] == ["train/broken"]
-    assert steps["train/broken"]["returncode"] != 0
-    assert "train.steps" in steps["train/broken"]["tail"]
-    for key in ("train/yoco", "train/ced", "divergence", "suite/yoco", "suite/ced", "report"):
+    assert summary["failed"] == ["train/broken/seed0"]
+    assert steps["train/broken/seed0"]["returncode"] != 0
+    assert "train.steps" in steps["train/broken/seed0"]["tail"]
+    for key in ("train/yoco/seed0", "train/ced/seed0", "divergence", "suite/yoco/seed0",
+                "suite/ced/seed0", "report"):
         assert steps[key]["state"] == "ok", (key, steps[key])
     for job in ("yoco", "ced"):
-        assert (out / "runs" / job / "final" / "model.safetensors").exists()
-        assert (out / "runs" / job / "metrics.jsonl").exists()
-        assert (out / "suite" / job / "capability_drop.csv").exists()
+        assert (out / "runs" / job / "seed0" / "final" / "model.safetensors").exists()
+        assert (out / "runs" / job / "seed0" / "metrics.jsonl").exists()
+        assert (out / "suite" / job / "seed0" / "capability_drop.csv").exists()
     assert (out / "divergence" / "divergence.parquet").exists()
     assert f"report: {out / 'report' / 'report.html'}" in first.stdout
 
@@ -59,7 +61,7 @@ def test_report_has_every_section_and_embedded_plots(tiny_study):
         assert f"## {title}" in md
         assert f"<h2>{title}</h2>" in page
     assert "Failed: train/broken" in md and "Failed: train/broken" in page
-    for png in ("training_curves", "divergence_vs_N", "accuracy_ced", "accuracy_yoco",
+    for png in ("training_curves", "divergence_vs_N", "accuracy_ced_seed0", "accuracy_yoco_seed0",
                 "cost_quality_frontier"):
         assert (report / f"{png}.png").stat().st_size > 1000
         assert f"({png}.png)" in md
@@ -72,17 +74,19 @@ def test_report_has_every_section_and_embedded_plots(tiny_study):
 
 def test_rerun_skips_what_is_done(tiny_study):
     out, _ = tiny_study
-    metrics = out / "runs" / "ced" / "metrics.jsonl"
+    metrics = out / "runs" / "ced" / "seed0" / "metrics.jsonl"
     stamp = metrics.stat().st_mtime_ns
     second = run_study(out)
     assert second.returncode == 1
-    for line in ("train yoco: done before, skipped", "train ced: done before, skipped",
-                 "divergence: done before, skipped", "suite ced: done before, skipped"):
+    for line in ("train yoco/seed0: done before with the same config (hash",
+                 "train ced/seed0: done before with the same config (hash",
+                 "divergence: done before with the same inputs (hash",
+                 "suite ced/seed0: done before with the same inputs (hash"):
         assert line in second.stdout
-    assert "train broken: FAILED" in second.stdout
+    assert "train broken/seed0: FAILED" in second.stdout
     assert metrics.stat().st_mtime_ns == stamp
     steps = json.loads((out / "summary.json").read_text())["steps"]
-    assert steps["train/ced"]["state"] == "skipped"
+    assert steps["train/ced/seed0"]["state"] == "skipped"
     assert steps["report"]["state"] == "ok"
 
 
@@ -90,7 +94,7 @@ def test_rerun_skips_what_is_done(tiny_study):
 def test_every_study_parses(name):
     for scale in ("demo", "full"):
         study = load_study(name, scale)
-        assert study["jobs"] and all(j["name"] for j in study["jobs"])
+        assert study.jobs and all(j.name for j in study.jobs) and study.seeds
 
 
 def test_symbolic_replay_lengths():

@@ -5,6 +5,7 @@ and the shell entry point works."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -165,13 +166,14 @@ def tasks(tmp_path_factory, model):
     return out, docs, write_tasks(out, settings, docs=docs, per_point=True)
 
 
-def run_lm_eval(checkpoint, task_dir, task_names, **model_args):
+def run_lm_eval(checkpoint, task_dir, task_names, limit=None, **model_args):
     args = ",".join(f"{k}={v}" for k, v in {"checkpoint": checkpoint, "dtype": "float64",
                                             **model_args}.items())
     return simple_evaluate(model="ced", model_args=args, tasks=task_names,
                            task_manager=TaskManager(include_path=str(task_dir),
                                                     include_defaults=False),
-                           log_samples=True, batch_size=8, device="cpu", verbosity="ERROR")
+                           log_samples=True, batch_size=8, device="cpu", verbosity="ERROR",
+                           limit=limit)
 
 
 def test_every_family_through_lm_eval_agrees_with_the_suite_runner(checkpoint, model, tasks):
@@ -224,3 +226,34 @@ def test_lm_eval_shell_entry_point(checkpoint, tasks):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ced_recall" in done.stdout and "ced_short_gen" in done.stdout
+
+
+def test_group_with_aggregate_and_limit_samples_every_distance(checkpoint, tasks):
+    """`--tasks ced_suite` is a group whose score aggregates its families; with `--limit`, a
+    family's first documents cover its distances rather than repeating the first one."""
+    task_dir, docs, written = tasks
+    assert {"ced_suite", "ced_suite_gen"} <= set(written)
+    first = [json.loads(line) for line in
+             (task_dir / "data" / "recall.jsonl").read_text().splitlines()]
+    distances = list(dict.fromkeys(d["x"] for d in docs if d["family"] == "recall"))
+    assert len(distances) > 2
+    assert [d["x"] for d in first[:len(distances)]] == distances
+    res = run_lm_eval(checkpoint, task_dir, ["ced_suite"], replay=5, limit=3)
+    group = res["results"]["ced_suite"]
+    members = [f"ced_{f}" for f in FAMILIES if f"ced_{f}" in res["results"]]
+    assert len(members) == len(FAMILIES)
+    sizes = {m: len(res["samples"][m]) for m in members}
+    assert sizes == {m: min(3, sum(d["family"] == m[4:] for d in docs)) for m in members}
+    mean = sum(res["results"][m]["acc,none"] * sizes[m] for m in members) / sum(sizes.values())
+    assert group["acc,none"] == pytest.approx(mean)
+    recall_x = [s["doc"]["x"] for s in res["samples"]["ced_recall"]]
+    assert recall_x == distances[:3]
+
+
+def test_help_shows_write_tasks():
+    done = subprocess.run([sys.executable, "-m", "evals.lmeval", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "python -m evals.lmeval write-tasks --checkpoint DIR" in done.stdout
+    assert "lm-eval" in done.stdout                    # lm-eval's own help follows

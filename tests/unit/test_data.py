@@ -358,6 +358,45 @@ def test_hf_local_jsonl(tmp_path, monkeypatch):
         build_source({**cfg, "text_field": "body"}, "train").rows(0, 1, 8)
 
 
+def test_hf_streaming_and_max_documents_read_the_first_documents(tmp_path, monkeypatch):
+    """data.streaming reads documents as they come (here from a local file, offline) and
+    stops at data.max_documents; the same cap without streaming gives the same documents."""
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    texts = write_jsonl(tmp_path / "docs.jsonl", 300)
+    base = {"kind": "hf", "name": "json", "files": [str(tmp_path / "docs.jsonl")],
+            "validation_fraction": 0.2, "max_documents": 50}
+    streamed = build_source({**base, "streaming": True}, "train")
+    capped = build_source(base, "train")
+    got = [d.decode() for d in docs_of(streamed.stream)]
+    assert got == [t for t in texts[:50] if not stable_in_validation(t, 0.2)]
+    assert torch.equal(streamed.stream, capped.stream)
+    with pytest.raises(ValueError, match=r"data\.max_documents: required with data\.streaming"):
+        build_source({**base, "streaming": True, "max_documents": None}, "train").rows(0, 1, 8)
+
+
+def test_hf_subset_and_revision_reach_load_dataset(monkeypatch):
+    import datasets
+
+    from ced.data import corpora
+    seen = {}
+
+    def fake_load_dataset(path, **kwargs):
+        seen.update(path=path, **kwargs)
+        return datasets.Dataset.from_dict({"text": ["a b c", "d e f"] * 20})
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(corpora, "offline", lambda: False)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    source = build_source({"kind": "hf", "name": "someone/corpus", "subset": "en",
+                           "revision": "v1.0", "hf_split": "train"}, "train")
+    source.rows(0, 1, 8)
+    assert seen == {"path": "someone/corpus", "split": "train", "name": "en", "revision": "v1.0"}
+    with pytest.raises(ValueError, match=r"data\.subset must be null or a non-empty string"):
+        build_source({"kind": "hf", "name": "someone/corpus", "subset": ""}, "train")
+
+
 def test_hf_hub_name_offline_fails_fast(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     t0 = time.perf_counter()

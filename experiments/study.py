@@ -1,0 +1,219 @@
+"""The schema of a study file (`conf/experiment/<name>.yaml`) and its loader.
+
+A study is checked like a training config: every key against the dataclasses below (a
+misspelt key such as `overides`, `exampels` or `divergance` is a one-line `StudyError` naming
+the key and the allowed keys), then the values against their types through OmegaConf's
+structured configs. `divergence:` keys are checked against `evals.divergence.DivergenceConfig`
+and `suite:` keys against `SuiteSpec` (the options of `python -m evals.suites`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY_DIR = ROOT / "conf" / "experiment"
+
+
+class StudyError(ValueError):
+    """A bad study file or driver option; the message is one line naming the key."""
+
+
+@dataclass
+class JobSpec:
+    """One training job: its name (the run directory) and its `ced.train` overrides."""
+
+    name: str = MISSING
+    overrides: List[str] = field(default_factory=list)
+
+
+@dataclass
+class SuiteSpec:
+    """`python -m evals.suites` options. Replay lengths and turns may be written W, W/4, 2W,
+    R_exact (resolved from the trained model)."""
+
+    replay: List[Any] = field(default_factory=lambda: [8])
+    examples: int = 20
+    topk: List[Any] = field(default_factory=lambda: [None])   # eval-time top-k overrides
+    families: Optional[List[str]] = None                       # null: every family
+    turns: List[Any] = field(default_factory=list)
+    args: List[str] = field(default_factory=list)              # passed through verbatim
+
+
+@dataclass
+class ScaleSpec:
+    """Extra settings of one scale: `train` overrides appended to the study's, `divergence`
+    and `suite` keys replacing the study's."""
+
+    train: List[str] = field(default_factory=list)
+    divergence: Dict[str, Any] = field(default_factory=dict)
+    suite: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StudyConfig:
+    """A study file. `seeds`: every job is trained once per seed (`train.seed=<k>`) into
+    `runs/<job>/seed<k>/`, and every seed's checkpoint is evaluated."""
+
+    name: str = MISSING
+    description: str = ""
+    seeds: List[int] = field(default_factory=lambda: [0])
+    train: List[str] = field(default_factory=list)
+    jobs: List[JobSpec] = MISSING
+    divergence: Optional[Dict[str, Any]] = None     # evals.divergence.DivergenceConfig keys
+    suite: Optional[SuiteSpec] = None
+    scales: Dict[str, ScaleSpec] = field(default_factory=dict)
+    scale: str = "demo"             # set by the loader: the scale applied
+
+
+# Keys of the file itself (`scale` is the loader's, not the file's).
+FILE_KEYS = sorted(f.name for f in fields(StudyConfig) if f.name != "scale")
+
+
+def _check_keys(node: Any, schema: Any, where: str) -> None:
+    """Raise for the first key of the mapping `node` that the dataclass `schema` lacks;
+    recurses into nested dataclasses, lists of them and dicts of them."""
+    if not isinstance(node, dict):
+        return
+    allowed = {f.name: f for f in fields(schema)}
+    if schema is StudyConfig:
+        allowed.pop("scale")
+    for key, value in node.items():
+        if key not in allowed:
+            raise StudyError(f"{where}{key}: unknown key; allowed keys of "
+                             f"{where.rstrip('.') or 'a study'}: {sorted(allowed)}")
+        sub = _dataclass_of(allowed[key].type)
+        if sub is None or value is None:
+            continue
+        kind, cls = sub
+        if kind == "one":
+            _check_keys(value, cls, f"{where}{key}.")
+        elif kind == "list" and isinstance(value, list):
+            for i, item in enumerate(value):
+                _check_keys(item, cls, f"{where}{key}[{i}].")
+        elif kind == "dict" and isinstance(value, dict):
+            for name, item in value.items():
+                _check_keys(item, cls, f"{where}{key}.{name}.")
+
+
+_NESTED = {"JobSpec": JobSpec, "SuiteSpec": SuiteSpec, "ScaleSpec": ScaleSpec}
+
+
+def _dataclass_of(annotation: Any) -> tuple[str, type] | None:
+    """('one'|'list'|'dict', the dataclass) for a field annotated with one of the nested specs
+    (annotations are strings under `from __future__ import annotations`)."""
+    text = str(annotation)
+    for name, cls in _NESTED.items():
+        if name in text:
+            if text.startswith("List"):
+                return "list", cls
+            if text.startswith("Dict"):
+                return "dict", cls
+            return "one", cls
+    return None
+
+
+def _check_divergence(spec: dict | None, where: str) -> None:
+    """divergence keys against DivergenceConfig (and its nested prompts/wandb)."""
+    if not spec:
+        return
+    from evals.divergence import DivergenceConfig
+    for key, value in spec.items():
+        allowed = {f.name: f for f in fields(DivergenceConfig)}
+        if key not in allowed:
+            raise StudyError(f"{where}{key}: unknown key; allowed keys of "
+                             f"{where.rstrip('.')}: {sorted(allowed)}")
+        default = allowed[key].default_factory() if callable(allowed[key].default_factory) else None
+        if is_dataclass(default) and isinstance(value, dict):
+            inner = {f.name for f in fields(default)}
+            for sub in value:
+                if sub not in inner:
+                    raise StudyError(f"{where}{key}.{sub}: unknown key; allowed keys of "
+                                     f"{where}{key}: {sorted(inner)}")
+
+
+def study_path(name: str) -> Path:
+    """A study name (conf/experiment/<name>.yaml) or a path to a .yaml file."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else STUDY_DIR / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+        raise StudyError(f"study={name}: no {path}; known studies: {known}")
+    return path
+
+
+def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -> StudyConfig:
+    """conf/experiment/<name>.yaml, checked, with its `scales.<scale>` section applied (train
+    overrides appended, divergence/suite keys replaced); `seeds` replaces the file's seeds."""
+    path = study_path(name)
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(raw, dict):
+        raise StudyError(f"study {path.name}: must be a mapping with keys {FILE_KEYS}")
+    where = f"study {path.stem}: "
+    try:
+        _check_keys(raw, StudyConfig, "")
+    except StudyError as exc:
+        raise StudyError(where + str(exc)) from None
+    try:
+        _check_divergence(raw.get("divergence"), "divergence.")
+        for scale_name, extra in (raw.get("scales") or {}).items():
+            _check_divergence((extra or {}).get("divergence"), f"scales.{scale_name}.divergence.")
+            _check_keys((extra or {}).get("suite") or {}, SuiteSpec, f"scales.{scale_name}.suite.")
+    except StudyError as exc:
+        raise StudyError(where + str(exc)) from None
+    raw.setdefault("name", path.stem)
+    try:
+        study: StudyConfig = OmegaConf.to_object(OmegaConf.merge(
+            OmegaConf.structured(StudyConfig), raw))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "study"
+        raise StudyError(f"{where}{key}: {str(exc).splitlines()[0]}") from None
+
+    scales = {k: (v or ScaleSpec()) for k, v in study.scales.items()}
+    if scale not in scales and scale not in ("demo", "full"):
+        raise StudyError(f"scale={scale}: the study {study.name} defines "
+                         f"{sorted(set(scales) | {'demo', 'full'})}")
+    extra = scales.get(scale) or ScaleSpec()
+    study.train = list(study.train) + list(extra.train)
+    if study.divergence is not None:
+        study.divergence = {**study.divergence, **extra.divergence}
+    if study.suite is not None and extra.suite:
+        merged = {**OmegaConf.to_container(OmegaConf.structured(study.suite)), **extra.suite}
+        study.suite = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SuiteSpec),
+                                                          merged))
+    study.scale = scale
+    if seeds is not None:
+        study.seeds = list(seeds)
+    names = [j.name for j in study.jobs]
+    if not names or len(set(names)) != len(names):
+        raise StudyError(f"{where}jobs: need at least one job and distinct names; got {names}")
+    bad = [n for n in names if not n or "/" in n or n.startswith(".")]
+    if bad:
+        raise StudyError(f"{where}jobs: a job name is a directory name (no '/', no leading "
+                         f"'.'); got {bad}")
+    if not study.seeds or len(set(study.seeds)) != len(study.seeds):
+        raise StudyError(f"{where}seeds: need at least one seed and distinct seeds; "
+                         f"got {study.seeds}")
+    return study
+
+
+def normalise_overrides(overrides: list[str]) -> list[str]:
+    """Overrides as Hydra applies them: the last value of each key wins; sorted, so that the
+    order in which a study lists them does not change the config hash."""
+    last: dict[str, str] = {}
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        last[key] = item
+    return sorted(last.values())
+
+
+def config_hash(payload: Any) -> str:
+    """A short stable hash of a JSON-able payload (the inputs of a study step)."""
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

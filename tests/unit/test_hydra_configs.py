@@ -1,0 +1,215 @@
+"""Compose-only checks of every Hydra config, in the style of lightning-hydra-template: every
+study and every job of it composes into a valid training config, the presets (model=tiny,
+debug=fast, experiment=<study>) compose, the sweep settings are what sweeps need, the SLURM
+launcher config composes, and bad study files or presets fail with one line naming the key.
+Nothing here trains or starts a subprocess."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import ced.train as trainer
+from ced.train_config import ConfigError, validate
+from experiments.run import DRIVER_KEYS, DriverConfig, check_driver_overrides
+from experiments.study import STUDY_DIR, StudyError, load_study
+
+STUDIES = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+
+
+def compose_train(overrides: list[str], hydra_config: bool = False):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=trainer.CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra_config)
+
+
+@pytest.mark.parametrize("scale", ["demo", "full"])
+@pytest.mark.parametrize("name", STUDIES)
+def test_every_job_of_every_study_composes_into_a_valid_training_config(name, scale):
+    study = load_study(name, scale)
+    for job in study.jobs:
+        for seed in study.seeds:
+            overrides = [*study.train, *job.overrides, f"train.seed={seed}"]
+            if job.name == "broken":       # tiny's job that fails on purpose
+                with pytest.raises(ConfigError, match="train.steps: must be >= 1"):
+                    validate(compose_train(overrides))
+                continue
+            config = validate(compose_train(overrides))
+            assert config.train.seed == seed
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_experiment_preset_for_ced_train(name):
+    """`python -m ced.train experiment=<study>` = the study's shared overrides; a key given on
+    the command line wins over the study's."""
+    study = load_study(name)
+    args = trainer.expand_experiment([f"experiment={name}", "train.steps=7", "model=yoco"])
+    assert args[-2:] == ["train.steps=7", "model=yoco"]
+    assert not any(a.startswith(("train.steps=", "model=")) for a in args[:-2])
+    assert set(args[:-2]) <= set(study.train)
+    config = validate(compose_train(args))
+    assert config.train.steps == 7 and config.model.variant == "yoco"
+
+
+def test_experiment_preset_errors_are_one_line():
+    with pytest.raises(ConfigError, match=r"^experiment: study=nope: no .*known studies"):
+        trainer.expand_experiment(["experiment=nope"])
+    with pytest.raises(ConfigError, match="one study per run"):
+        trainer.expand_experiment(["experiment=demo,tiny"])
+
+
+def test_tiny_and_fast_presets_make_a_seconds_long_run_in_two_overrides():
+    config = validate(compose_train(["model=tiny", "debug=fast"]))
+    assert config.model.d_model == 32 and config.model.variant == "ced"
+    assert config.train.steps == 4 and config.train.seq_len <= config.model.max_seq_len
+    assert config.logging.wandb is False
+    # the command line still wins over the preset
+    assert validate(compose_train(["model=tiny", "debug=fast", "train.steps=9"])).train.steps == 9
+
+
+def test_paper_scale_model_is_refused_in_one_line_naming_the_cost_model():
+    with pytest.raises(ConfigError) as err:
+        validate(compose_train(["model=deepseek_v41_flash"]))
+    message = str(err.value)
+    assert "\n" not in message and "cost model" in message
+    assert "python -m ced.cost model=deepseek_v41_flash" in message
+
+
+def test_sweep_folders_are_job_numbers_and_run_names_leave_out_folder_and_group_keys():
+    cfg = compose_train(["model=tiny"], hydra_config=True)
+    from omegaconf import OmegaConf
+    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"
+    excluded = set(cfg.hydra.job.config.override_dirname.exclude_keys)
+    assert {"hydra.run.dir", "hydra.sweep.dir", "logging.group", "logging.name",
+            "experiment"} <= excluded
+
+
+def test_slurm_launcher_config_composes():
+    """With hydra-submitit-launcher installed its schema checks our keys; without it, a
+    stand-in node takes its place so that our file's composition is still checked."""
+    import importlib.util
+    try:
+        have_plugin = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:
+        have_plugin = False
+    if not have_plugin:
+        from hydra.core.config_store import ConfigStore
+        ConfigStore.instance().store(group="hydra/launcher", name="submitit_slurm", node={
+            "_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+            "timeout_min": 60, "nodes": 1, "tasks_per_node": 1, "gpus_per_node": None,
+            "cpus_per_task": None, "mem_gb": None, "partition": None})
+    cfg = compose_train(["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                        hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.partition == "gpu" and launcher.gpus_per_node == 1
+    assert launcher.timeout_min == 240
+
+
+def test_missing_slurm_plugin_names_the_extra(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if "submitit" in name else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[slurm\]'"):
+        trainer._check_launcher(["-m", "hydra/launcher=slurm"])
+    trainer._check_launcher(["model=ced"])       # no launcher asked for: nothing to check
+
+
+def test_unknown_group_is_one_line():
+    with pytest.raises(ConfigError, match=r"^modle: unknown config group; allowed: "):
+        trainer.check_overrides(["modle=ced"])
+    trainer.check_overrides(["debug=fast", "model=tiny"])
+
+
+# ---- study files -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,key", [
+    ("jobs:\n  - {name: a, overides: [model=yoco]}\n", "jobs[0].overides"),
+    ("jobs: [{name: a}]\nsuite: {replay: [4], exampels: 3}\n", "suite.exampels"),
+    ("jobs: [{name: a}]\ndivergance: {replays: [1]}\n", "divergance"),
+    ("jobs: [{name: a}]\ndivergence: {prompts: {cont: 3}}\n", "divergence.prompts.cont"),
+    ("jobs: [{name: a}]\nscales: {full: {trian: []}}\n", "scales.full.trian"),
+    ("jobs: [{name: a}]\nseed: [1, 2]\n", "seed"),
+])
+def test_a_study_with_a_misspelt_key_is_rejected_naming_the_key(tmp_path, text, key):
+    path = tmp_path / "typo.yaml"
+    path.write_text("name: typo\n" + text)
+    with pytest.raises(StudyError) as err:
+        load_study(str(path))
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"{key}: unknown key; allowed keys of " in message
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("jobs: [{name: a}]\nseeds: [a]\n", "seeds"),
+    ("jobs: [{name: a}, {name: a}]\n", "distinct names"),
+    ("jobs: [{name: a}]\nseeds: []\n", "at least one seed"),
+    ("jobs: [{name: a/b}]\n", "directory name"),
+])
+def test_bad_study_values_are_one_line(tmp_path, text, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\n" + text)
+    with pytest.raises(StudyError, match=fragment) as err:
+        load_study(str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_seeds_default_to_one_and_can_be_overridden():
+    assert load_study("tiny").seeds == [0]
+    assert load_study("tiny", seeds=[0, 1, 2]).seeds == [0, 1, 2]
+
+
+def test_scales_apply_and_unknown_scale_is_rejected():
+    demo, full = load_study("demo", "demo"), load_study("demo", "full")
+    assert full.train[:len(demo.train)] == demo.train and len(full.train) > len(demo.train)
+    assert full.suite.examples > demo.suite.examples
+    with pytest.raises(StudyError, match="scale=huge"):
+        load_study("demo", "huge")
+
+
+# ---- the driver's own config -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_driver_config_composes_for_every_study(name):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=trainer.CONF_DIR, version_base="1.3"):
+        cfg = compose("study", overrides=[f"study={name}", "seeds=[0,1]", "only=eval"])
+    opts = DriverConfig(**cfg)
+    opts.check()
+    assert opts.study == name and opts.seeds == [0, 1] and sorted(cfg) == DRIVER_KEYS
+
+
+def test_driver_rejects_unknown_keys_and_values_in_one_line():
+    with pytest.raises(StudyError, match=r"^studdy: unknown driver key; allowed: "):
+        check_driver_overrides(["studdy=demo"])
+    check_driver_overrides(["-m", "study=demo", "hydra.verbose=true", "--cfg", "job"])
+    with pytest.raises(StudyError, match="only: must be"):
+        DriverConfig(study="demo", only="everything").check()
+    with pytest.raises(StudyError, match="study: required"):
+        DriverConfig().check()
+
+
+def test_driver_help_lists_every_study():
+    text = (Path(trainer.CONF_DIR) / "study.yaml").read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("Studies:"))
+    assert [s.strip() for s in line.split(":", 1)[1].split(",")] == STUDIES
+
+
+def test_mixed_precision_defers_to_accelerate(monkeypatch, tmp_path):
+    """train.mixed_precision defaults to null: `accelerate launch --mixed_precision bf16` (which
+    sets ACCELERATE_MIXED_PRECISION) decides; fp16 from there is still refused on CPU."""
+    config = validate(compose_train(["model=tiny", "debug=fast", "train.device=cpu"]))
+    assert config.train.mixed_precision is None
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    try:
+        assert trainer.make_accelerator(config, tmp_path).mixed_precision == "bf16"
+    finally:
+        trainer._reset_accelerate()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ConfigError, match="fp16 does nothing on CPU"):
+        trainer.make_accelerator(config, tmp_path)

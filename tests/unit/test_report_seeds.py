@@ -1,0 +1,34 @@
+"""The report tells seeds apart (run labels `<job>/seed<k>`) and summarises jobs trained with
+several seeds: mean, spread, min and max of the pooled suite accuracy and the validation loss."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from evals.report import file_label, job_of_checkpoint, seed_spread
+
+
+def test_labels_keep_seeds_apart():
+    assert job_of_checkpoint("/s/runs/ced/seed1/final") == "ced/seed1"
+    assert job_of_checkpoint("/s/runs/ced/final") == "ced"
+    assert file_label("ced/seed1@topk=4") == "ced_seed1_topk=4"
+
+
+def test_seed_spread_over_seeds_of_one_job():
+    suite = pd.DataFrame([
+        {"label": f"ced/seed{k}", "family": "recall", "x": "all", "mode": mode, "accuracy": acc}
+        for k, (a_full, a_rep) in enumerate([(0.8, 0.5), (0.6, 0.3), (0.7, 0.4)])
+        for mode, acc in (("full", a_full), ("replay=4", a_rep))
+    ] + [{"label": "yoco/seed0", "family": "recall", "x": "all", "mode": "full",
+          "accuracy": 0.9}])
+    runs = {f"ced/seed{k}": {"metrics": pd.DataFrame({"step": [1, 2], "val/loss": [3.0, v]})}
+            for k, v in enumerate([1.0, 2.0, 3.0])}
+    table = seed_spread(suite, runs)
+    full = table[(table["what"] == "acc recall") & (table["mode"] == "full")].iloc[0]
+    assert full["job"] == "ced" and full["seeds"] == 3
+    assert full["mean"] == pytest.approx(0.7) and full["sd"] == pytest.approx(0.1)
+    assert (full["min"], full["max"]) == (pytest.approx(0.6), pytest.approx(0.8))
+    loss = table[table["what"] == "val loss"].iloc[0]
+    assert loss["mean"] == pytest.approx(2.0) and loss["sd"] == pytest.approx(1.0)
+    assert "yoco" not in set(table["job"])          # one seed: nothing to spread
