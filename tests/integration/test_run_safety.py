@@ -275,6 +275,17 @@ def test_a_half_written_last_metrics_line_is_dropped(base_run, tmp_path, capsys)
     assert history[:4] == metrics(base_run)
 
 
+def test_the_report_reads_a_run_whose_last_metrics_line_is_half_written(tmp_path):
+    from evals.report import load_runs
+    run = tmp_path / "study" / "runs" / "job"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert load_runs(tmp_path / "study")["job"]["metrics"]["step"].tolist() == [1]
+    (run / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl: line 1 is not JSON"):
+        load_runs(tmp_path / "study")
+
+
 def test_orphaned_temporary_checkpoint_folders_are_removed_on_resume(base_run, tmp_path, capsys):
     run = copy_run(base_run, tmp_path)
     orphans = [run / "checkpoints" / ".tmp-step_00000006-abcd", run / ".tmp-final-efgh",
