@@ -102,6 +102,11 @@ class RunPlan:
     discard: bool
     metrics: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Checkpoints newer than resume_from: damaged ones are set aside (renamed .damaged-*, kept
+    # for inspection), abandoned ones of an explicit rewind deleted; either way they must not
+    # outrank the new run's checkpoints in pruning or in a later resume=auto.
+    set_aside: list[Path] = field(default_factory=list)
+    delete: list[Path] = field(default_factory=list)
 
 
 def existing_run(run_dir: Path) -> list[str]:
@@ -146,10 +151,12 @@ def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
                 newest_problem = newest_problem or str(exc)
                 warnings.append(f"skipping a damaged checkpoint: {exc}")
                 continue
-            if warnings:
-                warnings.append(f"resuming from {candidate}, the newest intact checkpoint")
+            damaged = [c for c in candidates if c.name > candidate.name]
+            if damaged:
+                warnings.append(f"resuming from {candidate}, the newest intact checkpoint; the "
+                                f"damaged ones are renamed .damaged-step_*")
             return RunPlan(candidate, step, False, read_metrics(run_dir / METRICS, step, warnings),
-                           warnings)
+                           warnings, set_aside=damaged)
         if candidates:
             raise CheckpointError(f"train.resume=auto: none of the {len(candidates)} "
                                   f"checkpoints in {run_dir / CHECKPOINTS} is intact; the "
@@ -164,8 +171,14 @@ def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
     if found and not inside and not t.overwrite:
         raise _refuse_existing(run_dir, found)
     warnings: list[str] = []
+    newer = [c for c in checkpoint_dirs(run_dir) if inside and c.name > path.name]
+    if newer and not t.overwrite:
+        raise ConfigError(f"train.resume: {path} is older than this run's newest checkpoint "
+                          f"{newer[-1].name}; continuing from it would mix two runs' "
+                          f"checkpoints; use train.resume=auto, or train.overwrite=true to "
+                          f"delete the {len(newer)} newer one(s)")
     metrics = read_metrics(run_dir / METRICS, step, warnings) if inside else []
-    return RunPlan(path, step, bool(found) and not inside, metrics, warnings)
+    return RunPlan(path, step, bool(found) and not inside, metrics, warnings, delete=newer)
 
 
 def read_metrics(path: Path, step: int, warnings: list[str]) -> list[str]:
@@ -384,6 +397,12 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         if plan.discard:
             discard_run(run_dir)
+        for path in plan.delete:
+            shutil.rmtree(path)
+        for path in plan.set_aside:
+            aside = path.with_name(f".damaged-{path.name}")
+            shutil.rmtree(aside, ignore_errors=True)   # an older copy set aside before
+            path.rename(aside)
         for orphan in remove_orphans(run_dir) + remove_orphans(run_dir / CHECKPOINTS):
             print(f"warning: removed {orphan}, left by an interrupted save", file=sys.stderr)
         _write_config(run_dir / CONFIG_YAML, cfg)

@@ -97,7 +97,8 @@ class TrainLoopConfig:
     save_every: int = 100
     keep_last: int = 2
     resume: str = "never"           # never | auto | a checkpoint directory
-    overwrite: bool = False         # replace a run already in the run directory (resume=never)
+    overwrite: bool = False         # replace a run already in the run directory (resume=never
+                                    # or a path), or drop checkpoints newer than resume's path
     indexer_kl_weight: float = 1.0
     indexer_warmup_steps: int = 0   # read every global entry (dense) for this many steps
     threads: Optional[int] = None   # torch intra-op threads; null keeps torch's default

@@ -143,6 +143,24 @@ def test_resuming_another_runs_checkpoint_into_a_run_directory_is_refused(base_r
     assert [m["step"] for m in metrics(target)] == [3, 4]
 
 
+def test_rewinding_to_an_older_checkpoint_of_the_run_needs_overwrite(base_run, tmp_path):
+    """Resuming from step 2 while step 4 exists would leave the old step 4 among the new run's
+    checkpoints (pruning and a later resume=auto could pick it): refused, unless overwrite
+    deletes the newer ones."""
+    run = copy_run(base_run, tmp_path)
+    older = run / "checkpoints" / "step_00000002"
+    before = snapshot(run)
+    with pytest.raises(ConfigError, match=r"train.resume: .*step_00000002 is older than this "
+                                          r"run's newest checkpoint step_00000004"):
+        train_in_process(run, *STEPS4, "train.steps=3", f"train.resume={older}")
+    assert snapshot(run) == before
+    train_in_process(run, *STEPS4, "train.steps=3", "train.save_every=3",
+                     f"train.resume={older}", "train.overwrite=true")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_00000002", "step_00000003"]
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3]
+
+
 def test_overwrite_cannot_be_combined_with_resume_auto():
     with pytest.raises(ConfigError, match=r"^train.overwrite: true discards the checkpoints"):
         config("train.overwrite=true", "train.resume=auto")
@@ -257,6 +275,11 @@ def test_resume_falls_back_past_a_damaged_checkpoint(base_run, straight_losses, 
     err = capsys.readouterr().err
     assert f"warning: skipping a damaged checkpoint: {damaged}" in err
     assert "resuming from" in err and "step_00000002, the newest intact checkpoint" in err
+    # the damaged one is set aside, so it can neither outrank the new step 4 in pruning nor be
+    # picked by a later resume=auto
+    assert (run / "checkpoints" / ".damaged-step_00000004" / file).exists()
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
+        "step_00000002", "step_00000004", "step_00000006"]
     history = metrics(run)
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6]
     # bitwise the uninterrupted curve: resumed from step 2, where the warm-up makes the
