@@ -61,7 +61,7 @@ def test_bad_mode_strings_are_one_line_errors_naming_the_key(text, message):
     assert "\n" not in str(info.value)
 
 
-# ---- lm-eval model_args ----------------------------------------------------------------------------
+# ---- lm-eval model_args ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
     ({"replya": "4"}, "unknown model_args key(s) ['replya']; allowed: ['checkpoint', 'replay'"),
@@ -99,7 +99,7 @@ def test_lm_eval_entry_point_refuses_a_typo_in_one_line(checkpoint):
     assert last_line(done.stderr).startswith("error: ced: unknown model_args key(s) ['replya']")
 
 
-# ---- evals.suites and evals.divergence on bad checkpoints -----------------------------------------
+# ---- evals.suites and evals.divergence on bad checkpoints ------------------------------------
 
 def test_suite_on_a_missing_or_damaged_checkpoint_is_one_line(damaged, tmp_path, capsys):
     from evals.suites.__main__ import main

@@ -203,9 +203,9 @@ def poison_lr_at(monkeypatch, bad_step: int) -> None:
 def test_non_finite_weights_are_never_saved_nor_named_good(tmp_path, monkeypatch, bad_step,
                                                           last_good):
     poison_lr_at(monkeypatch, bad_step)
-    with pytest.raises(trainer.TrainingDiverged, match=rf"non-finite weights .* after step "
-                                                      rf"{(bad_step // 2 + 1) * 2}.*not saved; "
-                                                      rf"the last good checkpoint is .*{re.escape(last_good)}"):
+    pattern = (rf"non-finite weights .* after step {(bad_step // 2 + 1) * 2}.*not saved; the "
+               rf"last good checkpoint is .*{re.escape(last_good)}")
+    with pytest.raises(trainer.TrainingDiverged, match=pattern):
         train_in_process(tmp_path, *STEPS4)
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert saved == ([] if bad_step < 2 else ["step_00000002"])
