@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -406,14 +405,17 @@ def test_offline_flags_are_defaults_the_environment_can_override(monkeypatch):
     assert os.environ["HF_DATASETS_OFFLINE"] == "0"
 
 
-def test_a_hub_dataset_name_fails_in_seconds_without_offline_flags_set(tmp_path):
+def test_a_hub_dataset_name_fails_at_once_without_offline_flags_set(tmp_path):
+    """With no flags in the environment the trainer sets them, so a hub name is refused by the
+    offline check (about 2 s here) instead of after the hub client's retries (about 27 s with
+    HF_HUB_OFFLINE=0 on a machine without network). Wall time is no test on a loaded machine
+    (69 s once, just starting Python); the message shows that the offline path ran."""
     env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "ced.train", *TINY, f"hydra.run.dir={tmp_path / 'run'}",
          "data=hf", "data.name=someone/no-such-dataset", "train.steps=1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    elapsed = time.perf_counter() - started
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert one_line(done.stderr).startswith("config error: ")
-    assert elapsed < 20, f"took {elapsed:.1f} s"
+    line = one_line(done.stderr)
+    assert line.startswith("config error: ") and "this machine is offline" in line, line
+    assert not (tmp_path / "run" / "config.yaml").exists()
