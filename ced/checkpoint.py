@@ -1,8 +1,13 @@
-"""Saving and loading trained models: safetensors weights plus the ModelConfig as JSON.
+"""Saving, loading and checking trained models and training checkpoints.
 
-Nothing here unpickles: a checkpoint directory holds `model.safetensors` and `config.json`.
-Writes are atomic (a temporary directory renamed into place), so an interrupted save never
-leaves a half-written model where a reader would find it.
+A model directory (`final/`) holds `model.safetensors` and `config.json`; nothing here unpickles
+to load a model. Writes are atomic (a temporary directory renamed into place), so an interrupted
+save never leaves a half-written model where a reader would find it; `remove_orphans` deletes
+the temporary directories such an interruption leaves behind.
+
+Every problem with a file on disk (missing, truncated, garbled, not JSON, weights that do not fit
+the config, non-finite weights) raises `CheckpointError`, whose message is one line naming the
+file and what is wrong, so entry points can print it instead of a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,12 +27,30 @@ from .model import CEDModel
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.bin"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or model file that cannot be used; the message is one line naming it."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint whose weights do not fit the model being trained or built (a
+    different shape). Unlike damage, an older checkpoint of the same run would not help."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def atomic_directory(final: Path) -> Path:
     """A fresh temporary directory beside `final`; `commit_directory` renames it into place."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=final.parent))
 
 
 def commit_directory(tmp: Path, final: Path) -> None:
@@ -36,7 +60,7 @@ def commit_directory(tmp: Path, final: Path) -> None:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
     if final.exists():
-        old = final.with_name(f".old-{final.name}")
+        old = final.with_name(f"{OLD_PREFIX}{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
         tmp.rename(final)
@@ -45,30 +69,145 @@ def commit_directory(tmp: Path, final: Path) -> None:
         tmp.rename(final)
 
 
+def remove_orphans(directory: Path) -> list[Path]:
+    """Delete the temporary and replaced directories an interrupted save left in `directory`
+    (`.tmp-*`, `.old-*`); returns what was removed. Only call it while no save is running."""
+    removed = []
+    if directory.is_dir():
+        for path in sorted(directory.iterdir()):
+            if path.is_dir() and path.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """Name of the first floating tensor holding a NaN or an infinity, else None."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
+
+def check_weights(path: Path, expected: Mapping[str, torch.Size],
+                  optional: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Load a safetensors file and check it against the expected shapes: readable (not
+    truncated or garbled), the same tensor names (those in `optional` may be absent, e.g. a
+    tied head), the same shapes, every value finite. Returns the tensors."""
+    try:
+        state = load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as exc:   # safetensors raises its own error types for damaged files
+        raise CheckpointError(f"{path}: damaged, cannot be read ({_first_line(exc)})") from None
+    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state) - optional)
+    if unexpected or missing:
+        raise CheckpointMismatch(f"{path}: weights do not fit the model config: missing "
+                                 f"{missing[:3]}, unexpected {unexpected[:3]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise CheckpointMismatch(f"{path}: {name} has shape {tuple(tensor.shape)}, the "
+                                     f"model config gives {tuple(expected[name])}")
+    bad = first_non_finite(state)
+    if bad is not None:
+        raise CheckpointError(f"{path}: tensor {bad} holds NaN or infinite values")
+    return state
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, or a CheckpointError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({_first_line(exc)})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object; got {type(value).__name__}")
+    return value
+
+
+def _model_shapes(model: CEDModel) -> tuple[dict[str, torch.Size], frozenset[str]]:
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    optional = frozenset({"lm_head.weight"}) if model.cfg.tie_embeddings else frozenset()
+    return shapes, optional
+
+
+def check_training_checkpoint(directory: Path, model: CEDModel) -> int:
+    """Check a `checkpoints/step_*` directory before accelerate loads it: the trainer state
+    (the step), the weights (readable, the model's shapes, finite) and the optimizer state
+    (readable). Returns the step. Raises CheckpointMismatch when the weights have other
+    shapes than `model`, CheckpointError for anything missing or damaged."""
+    directory = Path(directory)
+    state = read_json(directory / TRAINER_STATE)
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{directory / TRAINER_STATE}: 'step' must be an int >= 0; "
+                              f"got {step!r}")
+    shapes, optional = _model_shapes(model)
+    check_weights(directory / WEIGHTS, shapes, optional)
+    optimizer = directory / OPTIMIZER
+    try:
+        # weights_only: an optimizer state is tensors, numbers and lists; nothing to execute.
+        loaded = torch.load(optimizer, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{optimizer}: missing") from None
+    except Exception as exc:   # torch raises several types for truncated/garbled archives
+        raise CheckpointError(f"{optimizer}: damaged, cannot be read ({_first_line(exc)})") \
+            from None
+    if not isinstance(loaded, dict) or "state" not in loaded:
+        raise CheckpointError(f"{optimizer}: not an optimizer state")
+    tensors = {f"{pid}.{key}": value for pid, entry in loaded["state"].items()
+               for key, value in entry.items() if isinstance(value, torch.Tensor)}
+    bad = first_non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"{optimizer}: state {bad} holds NaN or infinite values")
+    if not any(directory.glob("random_states_*.pkl")):
+        raise CheckpointError(f"{directory}: missing random_states_*.pkl (RNG state)")
+    return step
+
+
 def save_model(model: CEDModel, directory: str | Path) -> Path:
-    """Write model weights and config atomically to `directory`."""
+    """Write model weights and config atomically to `directory`. Refuses (CheckpointError)
+    weights holding NaN or infinite values, so a saved model is always a usable one."""
     final = Path(directory)
-    tmp = atomic_directory(final)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    bad = first_non_finite(state)
+    if bad is not None:
+        raise CheckpointError(f"{final}: not saved, weight {bad} holds NaN or infinite values")
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
+    tmp = atomic_directory(final)
     save_file(state, str(tmp / WEIGHTS))
     (tmp / CONFIG).write_text(json.dumps(model.cfg.to_dict(), indent=2))
     commit_directory(tmp, final)
     return final
 
 
+def load_config(directory: str | Path) -> ModelConfig:
+    """The ModelConfig of a model directory, or a one-line CheckpointError naming the file."""
+    path = Path(directory) / CONFIG
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    raw = read_json(path)
+    try:
+        return ModelConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a valid model config ({_first_line(exc)})") from None
+
+
 def load_model(directory: str | Path, map_location: str | torch.device = "cpu") -> CEDModel:
-    """Rebuild a CEDModel from a directory written by `save_model` (eval mode)."""
+    """Rebuild a CEDModel from a directory written by `save_model` (eval mode). A missing,
+    damaged or mismatched file raises CheckpointError (a ValueError) naming it."""
     directory = Path(directory)
-    if not (directory / WEIGHTS).exists() or not (directory / CONFIG).exists():
-        raise FileNotFoundError(f"load_model: {directory} lacks {WEIGHTS} or {CONFIG}")
-    cfg = ModelConfig.from_dict(json.loads((directory / CONFIG).read_text()))
-    model = CEDModel(cfg)
-    state = load_file(str(directory / WEIGHTS), device=str(map_location))
-    strict = not cfg.tie_embeddings
-    missing, unexpected = model.load_state_dict(state, strict=strict)
-    if unexpected or (missing and set(missing) != {"lm_head.weight"}):
-        raise ValueError(f"load_model: weights do not match the config: missing {missing}, "
-                         f"unexpected {unexpected}")
+    cfg = load_config(directory)
+    try:
+        model = CEDModel(cfg)
+    except ValueError as exc:
+        raise CheckpointError(f"{directory / CONFIG}: {_first_line(exc)}") from None
+    shapes, optional = _model_shapes(model)
+    state = check_weights(directory / WEIGHTS, shapes, optional)
+    model.load_state_dict(state, strict=not cfg.tie_embeddings)
     return model.to(map_location).eval()
+

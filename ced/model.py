@@ -80,9 +80,35 @@ def visible_entries(query_positions: Tensor, compress_ratio: int) -> Tensor:
     return torch.div(query_positions + 1, compress_ratio, rounding_mode="floor")
 
 
+# Significant bits an indexer score keeps before the top-k, per dtype: about half the
+# mantissa, far coarser than the few ulps by which two kernels (a parallel forward against one
+# decode step, a batch of queries against one) compute the same score, far finer than any
+# difference a trained indexer means.
+SCORE_BITS = {torch.float64: 26, torch.float32: 11, torch.float16: 5, torch.bfloat16: 4}
+
+
+def round_scores(scores: Tensor, visible: Tensor) -> Tensor:
+    """Indexer scores rounded, per query, to SCORE_BITS significant bits relative to the
+    largest visible |score|: the same (query, entry) gets the same rounded score whichever
+    kernel computed it (barring a value within kernel error of a grid boundary), so equal
+    scores stay equal and the tie rule decides them identically on every path.
+
+    scores [B, Tq, E]; visible bool [Tq, E]. The grid is a power of two (from frexp) and the
+    division by it exact, so rounding adds no error of its own; the rounding is half-to-even."""
+    if scores.shape[-1] == 0:
+        return scores.detach()
+    bits = SCORE_BITS.get(scores.dtype, 11)
+    magnitude = torch.where(visible, scores.detach().abs(), 0.0).amax(-1, keepdim=True)
+    _, exponent = torch.frexp(magnitude)           # magnitude < 2 ** exponent
+    grid = torch.ldexp(torch.ones_like(magnitude), exponent - bits)
+    return torch.round(scores.detach() / grid) * grid
+
+
 def select_entries(scores: Tensor, n_visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-k visible entries per query; among equal scores the lower entry index wins.
 
+    Scores are compared after `round_scores` (batch-invariant selection: a near-tie that two
+    kernels would break differently in the last bit is an exact tie, decided by the index).
     scores: [B, Tq, E]; n_visible: LongTensor[Tq]. Returns (index, valid), both [B, Tq, min(k, E)];
     slots with valid=False are padding (fewer than k visible) and must be masked by the reader.
     """
@@ -91,7 +117,7 @@ def select_entries(scores: Tensor, n_visible: Tensor, k: int) -> tuple[Tensor, T
     entry = torch.arange(n_entries, device=scores.device)
     visible = entry[None, :] < n_visible[:, None]                             # [Tq, E]
     # +0.0 turns -0.0 into +0.0 so that a sort cannot order the two zeros apart.
-    key = torch.where(visible, -(scores + 0.0), torch.inf)
+    key = torch.where(visible, -(round_scores(scores, visible) + 0.0), torch.inf)
     index = torch.sort(key, dim=-1, stable=True).indices[..., :k]
     valid = torch.arange(k, device=scores.device)[None, :] < n_visible[:, None]  # [Tq, k]
     return index, valid.expand(scores.shape[0], -1, -1)

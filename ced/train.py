@@ -8,6 +8,12 @@ Each run writes into its Hydra output directory: `config.yaml` (resolved), `metr
 `checkpoints/step_XXXXXXXX/` (accelerate's state: safetensors weights, optimizer, RNG; plus
 `trainer_state.json` with the step, which fixes the data position and the learning rate), and
 `final/` (model.safetensors + config.json, see `ced.checkpoint.load_model`).
+
+Nothing is lost or silently wrong: a directory that already holds a run is refused unless the
+run continues it (`train.resume=auto`) or replaces it (`train.overwrite=true`); every file a
+resume depends on is checked before anything is written, and `resume=auto` falls back, with a
+warning, past damaged checkpoints to the newest intact one; weights are checked finite before
+every save; the Hugging Face libraries run offline unless the environment says otherwise.
 """
 
 from __future__ import annotations
@@ -19,20 +25,26 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import atomic_directory, commit_directory, save_model
+from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, atomic_directory,
+                         check_training_checkpoint, commit_directory, first_non_finite,
+                         remove_orphans, save_model)
 from .cli import fail as _fail
 from .data import answer_accuracy, build_source
 from .model import CEDModel
 from .train_config import ConfigError, ReplaySimulation, TrainConfig, validate
 
 CHECKPOINTS = "checkpoints"
-TRAINER_STATE = "trainer_state.json"
+METRICS = "metrics.jsonl"
+CONFIG_YAML = "config.yaml"
+FINAL = "final"
+# What a run leaves in its directory; any of them means the directory already holds a run.
+RUN_FILES = (CONFIG_YAML, METRICS, CHECKPOINTS, FINAL)
 
 
 class TrainingDiverged(RuntimeError):
@@ -92,23 +104,167 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(root.glob("step_*")) if root.exists() else []
 
 
-def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    if resume == "never":
-        return None
-    if resume == "auto":
-        found = checkpoint_dirs(run_dir)
-        return found[-1] if found else None
-    path = Path(resume)
+@dataclass
+class RunPlan:
+    """Where a run starts, decided (and every file it depends on checked) before anything in
+    the run directory is written. resume_from: the checkpoint to load (None: step 0);
+    discard: the directory holds another run to delete first (train.overwrite=true);
+    metrics: the lines of metrics.jsonl to keep; warnings: printed once the plan is taken."""
+
+    resume_from: Path | None
+    start_step: int
+    discard: bool
+    metrics: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    # Checkpoints newer than resume_from: damaged ones are set aside (renamed .damaged-*, kept
+    # for inspection), abandoned ones of an explicit rewind deleted; either way they must not
+    # outrank the new run's checkpoints in pruning or in a later resume=auto.
+    set_aside: list[Path] = field(default_factory=list)
+    delete: list[Path] = field(default_factory=list)
+
+
+def existing_run(run_dir: Path) -> list[str]:
+    """The files of an earlier run in `run_dir` (Hydra's own `.hydra/` does not count)."""
+    found = []
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            found.append(name)
+    return found
+
+
+def _refuse_existing(run_dir: Path, found: list[str]) -> ConfigError:
+    return ConfigError(f"{run_dir} already holds a run ({', '.join(found)}); continue it with "
+                       f"train.resume=auto, choose a new hydra.run.dir, or replace it with "
+                       f"train.overwrite=true")
+
+
+def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
+    """Decide where the run starts; raises ConfigError / CheckpointError (one line) instead.
+
+    resume=never: the directory must not hold a run, unless train.overwrite=true.
+    resume=auto: the newest checkpoint that is intact (readable, finite, with this model's
+    shapes) and its step; damaged newer ones are skipped with a warning. A checkpoint with other
+    shapes is an error (an older one of the same run would have them too).
+    resume=<path>: that checkpoint, which must be intact; into a directory holding another
+    run only with train.overwrite=true."""
+    found = existing_run(run_dir)
+    if t.resume == "never":
+        if found and not t.overwrite:
+            raise _refuse_existing(run_dir, found)
+        return RunPlan(None, 0, discard=bool(found))
+    if t.resume == "auto":
+        warnings, newest_problem = [], None
+        candidates = checkpoint_dirs(run_dir)[::-1]
+        for candidate in candidates:
+            try:
+                step = check_training_checkpoint(candidate, model)
+            except CheckpointMismatch as exc:
+                raise CheckpointError(f"train.resume=auto: {exc}") from None
+            except CheckpointError as exc:
+                newest_problem = newest_problem or str(exc)
+                warnings.append(f"skipping a damaged checkpoint: {exc}")
+                continue
+            damaged = [c for c in candidates if c.name > candidate.name]
+            if damaged:
+                warnings.append(f"resuming from {candidate}, the newest intact checkpoint; the "
+                                f"damaged ones are renamed .damaged-step_*")
+            return RunPlan(candidate, step, False, read_metrics(run_dir / METRICS, step, warnings),
+                           warnings, set_aside=damaged)
+        if candidates:
+            raise CheckpointError(f"train.resume=auto: none of the {len(candidates)} "
+                                  f"checkpoints in {run_dir / CHECKPOINTS} is intact; the "
+                                  f"newest: {newest_problem}")
+        return RunPlan(None, 0, False)   # nothing saved yet: start over in this directory
+    path = Path(t.resume)
     if not (path / TRAINER_STATE).exists():
-        raise ConfigError(f"train.resume: {resume!r} is not a checkpoint directory (no "
+        raise ConfigError(f"train.resume: {t.resume!r} is not a checkpoint directory (no "
                           f"{TRAINER_STATE}); use 'never', 'auto' or a checkpoints/step_* path")
-    return path
+    step = check_training_checkpoint(path, model)
+    inside = run_dir.resolve() in path.resolve().parents
+    if found and not inside and not t.overwrite:
+        raise _refuse_existing(run_dir, found)
+    warnings: list[str] = []
+    newer = [c for c in checkpoint_dirs(run_dir) if inside and c.name > path.name]
+    if newer and not t.overwrite:
+        raise ConfigError(f"train.resume: {path} is older than this run's newest checkpoint "
+                          f"{newer[-1].name}; continuing from it would mix two runs' "
+                          f"checkpoints; use train.resume=auto, or train.overwrite=true to "
+                          f"delete the {len(newer)} newer one(s)")
+    metrics = read_metrics(run_dir / METRICS, step, warnings) if inside else []
+    return RunPlan(path, step, bool(found) and not inside, metrics, warnings, delete=newer)
+
+
+def read_metrics(path: Path, step: int, warnings: list[str]) -> list[str]:
+    """The lines of metrics.jsonl up to `step` (later ones were logged by a killed run after its
+    last checkpoint, and are redone). A half-written last line (what a crash or a full disk
+    leaves) is dropped with a warning; a damaged line before it is an error naming it."""
+    if step == 0 or not path.exists():
+        return []
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__})") from None
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            logged = record["step"]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            if number == len(lines):
+                warnings.append(f"{path}: dropped its half-written last line {number}")
+                break
+            raise CheckpointError(f"{path}: line {number} is not a JSON record with a 'step'; "
+                                  f"repair or delete that line") from None
+        if logged <= step:
+            kept.append(line)
+    return kept
+
+
+def discard_run(run_dir: Path) -> None:
+    """train.overwrite=true: delete an earlier run's files (and its wandb logs)."""
+    for name in (*RUN_FILES, "wandb"):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def last_good_checkpoint(run_dir: Path, model: CEDModel) -> str:
+    """The newest checkpoint that is intact and finite, for messages; checked, not assumed."""
+    for candidate in checkpoint_dirs(run_dir)[::-1]:
+        try:
+            check_training_checkpoint(candidate, model)
+            return str(candidate)
+        except CheckpointError:
+            continue
+    return "none (nothing intact saved yet)"
+
+
+def check_finite(accelerator, model, optimizer, step: int, run_dir: Path) -> None:
+    """Raise TrainingDiverged on every process if any process's weights or optimizer state
+    hold NaN or infinity: a checkpoint must never be named good or saved in that state."""
+    bad = first_non_finite(dict(accelerator.unwrap_model(model).named_parameters()))
+    if bad is None:
+        moments = {f"{id(p)}.{k}": v for p, entry in optimizer.optimizer.state.items()
+                   for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        bad = "optimizer state" if first_non_finite(moments) else None
+    flag = torch.tensor(0 if bad is None else 1, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, reduction="sum")
+    if int(flag):
+        raise TrainingDiverged(
+            f"non-finite weights ({bad or 'on another process'}) after step {step}, so they "
+            f"were not saved; the last good checkpoint is "
+            f"{last_good_checkpoint(run_dir, accelerator.unwrap_model(model))}")
 
 
 def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int,
                     state: dict | None = None) -> Path:
     """accelerate's full state into a temporary directory, renamed once complete. `state`
-    (e.g. the wandb run id) goes into trainer_state.json beside the step."""
+    (e.g. the wandb run id) goes into trainer_state.json beside the step. The caller checks the
+    weights finite first (`check_finite`)."""
     final = run_dir / CHECKPOINTS / f"step_{step:08d}"
     tmp = None
     if accelerator.is_main_process:
@@ -248,22 +404,43 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
     # state to save, and none of accelerate's per-process scheduler stepping to account for.
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    start_step = 0
+    # Nothing is written into the run directory until the plan (and every file it relies on)
+    # is checked: a refused or failed start leaves an earlier run exactly as it was.
+    plan = _on_main(accelerator, lambda: plan_run(t, run_dir, accelerator.unwrap_model(model)))
+    start_step = plan.start_step
+    if plan.resume_from is not None:
+        try:
+            accelerator.load_state(str(plan.resume_from))
+        except Exception as exc:   # what the check cannot see, e.g. a damaged RNG state file
+            reason = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"{plan.resume_from}: cannot be loaded ({type(exc).__name__}: "
+                                  f"{reason})") from None
     trainer_state: dict = {}
-    resume_from = resolve_resume(t.resume, run_dir)
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        saved = json.loads((resume_from / TRAINER_STATE).read_text())
-        start_step = saved["step"]
+    if plan.resume_from is not None:
         # The wandb run id travels with the checkpoint, so a resumed run continues the same
         # wandb run instead of starting a second one.
+        saved = json.loads((plan.resume_from / TRAINER_STATE).read_text())
         trainer_state = {k: v for k, v in saved.items() if k == "wandb_run_id"}
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
 
-    metrics_file = run_dir / "metrics.jsonl"
+    metrics_file = run_dir / METRICS
     if accelerator.is_main_process:
+        for warning in plan.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
         run_dir.mkdir(parents=True, exist_ok=True)
-        _truncate_metrics(metrics_file, start_step)
+        if plan.discard:
+            discard_run(run_dir)
+        for path in plan.delete:
+            shutil.rmtree(path)
+        for path in plan.set_aside:
+            aside = path.with_name(f".damaged-{path.name}")
+            shutil.rmtree(aside, ignore_errors=True)   # an older copy set aside before
+            path.rename(aside)
+        for orphan in remove_orphans(run_dir) + remove_orphans(run_dir / CHECKPOINTS):
+            print(f"warning: removed {orphan}, left by an interrupted save", file=sys.stderr)
+        _write_config(run_dir / CONFIG_YAML, cfg)
+        metrics_file.write_text("".join(line + "\n" for line in plan.metrics))
+        if plan.resume_from is not None:
+            print(f"resumed from {plan.resume_from} at step {start_step}")
         if cfg.logging.wandb:
             _init_wandb(accelerator, cfg, run_dir, trainer_state)
     progress = _Progress(t.steps, start_step, enabled=t.progress and accelerator.is_main_process)
@@ -325,10 +502,9 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
         loss_value = total[0].item() / max(global_tokens, 1e-12)
         kl_value = total[1].item() / world
         if not math.isfinite(loss_value):
-            saved = checkpoint_dirs(run_dir)
             raise TrainingDiverged(
                 f"non-finite training loss ({loss_value}) at step {step + 1}; the last good "
-                f"checkpoint is {saved[-1] if saved else 'none (nothing saved yet)'}")
+                f"checkpoint is {last_good_checkpoint(run_dir, accelerator.unwrap_model(model))}")
         elapsed = time.perf_counter() - started
         last = {"step": step + 1, "loss": loss_value, "indexer_kl": kl_value, "lr": lr,
                 "processes": world,
@@ -342,6 +518,7 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
                 accelerator.log({k: v for k, v in last.items() if k != "step"}, step=step + 1)
         progress.update(last)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
+            check_finite(accelerator, model, optimizer, step + 1, run_dir)
             save_checkpoint(accelerator, run_dir, step + 1, t.keep_last, trainer_state)
     progress.close()
     if accelerator.is_main_process:
@@ -374,13 +551,27 @@ def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dic
     run.define_metric("val/loss", summary="min")
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop lines a killed run logged after its last checkpoint (they are redone)."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+def _write_config(path: Path, cfg: TrainConfig) -> None:
+    """The resolved config as YAML, written atomically (a crash leaves the old file or the new)."""
+    from omegaconf import OmegaConf
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    os.replace(tmp, path)
+
+
+def _on_main(accelerator, decide):
+    """Run `decide` on the main process and hand its result, or its one-line error, to every
+    process, so that all of them go on or all stop with the same message."""
+    outcome = None
+    if accelerator.is_main_process:
+        try:
+            outcome = ("ok", decide())
+        except (ConfigError, CheckpointError) as exc:
+            outcome = (type(exc).__name__, str(exc))
+    outcome = _broadcast(accelerator, outcome)
+    if outcome[0] == "ok":
+        return outcome[1]
+    raise (ConfigError if outcome[0] == "ConfigError" else CheckpointError)(outcome[1])
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -423,7 +614,6 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 def _hydra_task(cfg) -> float | None:
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
     hydra_cfg = HydraConfig.get()
     metrics: dict = {}
     try:
@@ -433,12 +623,11 @@ def _hydra_task(cfg) -> float | None:
             # conf/train.yaml), so the dashboard tells them apart without opening configs.
             config.logging.name = hydra_cfg.job.override_dirname
         run_dir = Path(hydra_cfg.runtime.output_dir)
-        if int(os.environ.get("RANK", "0")) == 0:
-            (run_dir).mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
         metrics = train(config, run_dir)
     except ConfigError as exc:
         _fail(f"config error: {exc}", 2)
+    except CheckpointError as exc:
+        _fail(f"error: {exc}", 2)
     except TrainingDiverged as exc:
         _fail(f"training stopped: {exc}", 3)
     finally:
@@ -519,9 +708,18 @@ def _check_launcher(overrides: list[str]) -> None:
                           "extra: pip install -e '.[slurm]' (or pip install 'ced[slurm]')")
 
 
+def set_offline_defaults() -> None:
+    """Offline Hugging Face libraries unless the environment already chose: without it, a hub
+    dataset name on a machine with no network retries for half a minute before its error.
+    `HF_HUB_OFFLINE=0` (and `HF_DATASETS_OFFLINE=0`) in the environment go online."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
 def main() -> None:
     """Console entry: Hydra main over conf/train.yaml. Processes other than rank 0 of a
     distributed launch keep Hydra from writing anything (rank 0's directory is broadcast)."""
+    set_offline_defaults()   # before anything imports huggingface_hub, which reads it once
     import hydra
     try:
         args = expand_experiment(sys.argv[1:])

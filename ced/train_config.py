@@ -7,6 +7,7 @@ or invalid value into one `ConfigError` line naming the key and what is allowed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, List, Optional
 
@@ -98,6 +99,8 @@ class TrainLoopConfig:
     save_every: int = 100
     keep_last: int = 2
     resume: str = "never"           # never | auto | a checkpoint directory
+    overwrite: bool = False         # replace a run already in the run directory (resume=never
+                                    # or a path), or drop checkpoints newer than resume's path
     indexer_kl_weight: float = 1.0
     indexer_warmup_steps: int = 0   # read every global entry (dense) for this many steps
     threads: Optional[int] = None   # torch intra-op threads; null keeps torch's default
@@ -131,6 +134,9 @@ class TrainLoopConfig:
         _require(isinstance(self.answer_weight, (int, float)) and 0 < self.answer_weight
                  < float("inf"), "train.answer_weight", "must be a finite number > 0",
                  self.answer_weight)
+        _require(not (self.overwrite and self.resume == "auto"), "train.overwrite",
+                 "true discards the checkpoints train.resume=auto would continue from; use one "
+                 "or the other", self.overwrite)
         if isinstance(self.replay, dict):
             self.replay = ReplaySimulation(**self.replay)
 
@@ -175,6 +181,23 @@ def _unknown_keys(node: Any, schema: Any, prefix: str) -> None:
             _unknown_keys(value, sub, f"{prefix}{key}.")
 
 
+def _non_finite(node: Any, prefix: str) -> None:
+    """Raise for the first NaN or infinite number anywhere in the config: every comparison
+    with NaN is false and inf passes `> 0`, so range checks alone let them through. Strings
+    such as "inf" given to a float key are caught after conversion by the same walk."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _non_finite(value, f"{prefix}{key}.")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _non_finite(value, f"{prefix}{i}.")
+    elif is_dataclass(node):
+        for f in fields(node):
+            _non_finite(getattr(node, f.name), f"{prefix}{f.name}.")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{prefix.rstrip('.')}: must be a finite number; got {node!r}")
+
+
 def validate(cfg: DictConfig | dict) -> TrainConfig:
     """Composed config -> TrainConfig, or a one-line ConfigError naming the bad key."""
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
@@ -185,6 +208,13 @@ def validate(cfg: DictConfig | dict) -> TrainConfig:
                           "model, not for training: python -m ced.cost model=deepseek_v41_flash; "
                           "train one of model=ced|yoco|dense|swa|tiny")
     _unknown_keys(raw, TrainConfig(), "")
+    _non_finite(raw, "")
+    config = _build(raw)
+    _non_finite(config, "")
+    return config
+
+
+def _build(raw: dict) -> TrainConfig:
     try:
         schema = OmegaConf.structured(TrainConfig)
         OmegaConf.set_readonly(schema.model, False)   # ModelConfig is frozen; its node need not be

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from ced import InferenceEngine, exact_encoder_replay_length, exact_replay_length
-from ced.checkpoint import load_model
+from ced.checkpoint import CheckpointError, load_model
 from ced.data import build_source
 
 from .modes import Mode, mode_generate, mode_logits, parse_mode
@@ -191,7 +193,11 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
     """Compute every row of the tidy table (and write the outputs); returns the rows."""
     if not c.checkpoints:
         raise ValueError("checkpoints: give at least one trained model directory (its final/)")
+    if c.dtype not in ("float64", "float32"):
+        raise ValueError(f"dtype: must be 'float64' or 'float32'; got {c.dtype!r}")
     dtype = {"float64": torch.float64, "float32": torch.float32}[c.dtype]
+    for checkpoint in c.checkpoints:   # every one, before hours go into the first
+        load_model(checkpoint)
     rows: list[dict] = []
     for checkpoint in c.checkpoints:
         model = load_model(checkpoint).to(dtype)
@@ -382,11 +388,17 @@ def _hydra_task(cfg) -> None:
     out_dir = Path(config.out_dir or HydraConfig.get().runtime.output_dir)
     try:
         run(config, out_dir)
+    except CheckpointError as exc:
+        fail(f"error: {exc}", 2)
     except ValueError as exc:
-        fail(f"config error: {exc}", 2)
+        fail(f"config error: {str(exc).splitlines()[0]}", 2)
 
 
 def main() -> None:
+    # Offline Hugging Face libraries unless the environment chose otherwise: a hub dataset name
+    # in prompts.data then fails at once instead of after half a minute of retries.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import hydra
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="divergence")(_hydra_task)()
 

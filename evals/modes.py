@@ -35,12 +35,29 @@ class Mode:
     prefix_cache: bool = True
 
 
-def _replay_value(text: str) -> int | str:
-    return "exact" if text == "exact" else int(text)
+def _int_value(text: str, key: str, mode: str, allow_exact: bool) -> int | str:
+    """An int >= 1 (or 'exact' where allowed), else a one-line ValueError naming the key."""
+    if allow_exact and text == "exact":
+        return "exact"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        allowed = "an int >= 1 or 'exact'" if allow_exact else "an int >= 1"
+        raise ValueError(f"mode {mode!r}: {key} must be {allowed}; got {text!r}")
+    return value
+
+
+def _replay_value(text: str, key: str = "replay", mode: str = "") -> int | str:
+    return _int_value(text, key, mode or f"{key}={text}", allow_exact=True)
 
 
 def parse_mode(text: str) -> Mode:
-    """'replay=32' -> Mode(...); see the module docstring for the grammar."""
+    """'replay=32' -> Mode(...); see the module docstring for the grammar. Anything else is a
+    one-line ValueError naming the mode and the part that is wrong."""
+    if not isinstance(text, str):
+        raise ValueError(f"mode: expected a string such as 'full' or 'replay=32'; got {text!r}")
     text = text.strip()
     if text == "full":
         return Mode("full")
@@ -50,23 +67,30 @@ def parse_mode(text: str) -> Mode:
             raise ValueError(f"mode {text!r}: expected key=value parts, got {part!r}")
         key, value = part.split("=", 1)
         fields[key.strip()] = value.strip()
-    unknown = set(fields) - {"replay", "turn", "policy", "encoder_replay", "prefix_cache"}
+    allowed = ["encoder_replay", "policy", "prefix_cache", "replay", "turn"]
+    unknown = set(fields) - set(allowed)
     if unknown:
-        raise ValueError(f"mode {text!r}: unknown key(s) {sorted(unknown)}")
-    replay = _replay_value(fields["replay"]) if "replay" in fields else None
+        raise ValueError(f"mode {text!r}: unknown key(s) {sorted(unknown)}; allowed: 'full' or "
+                         f"{allowed}")
+    replay = _replay_value(fields["replay"], "replay", text) if "replay" in fields else None
     if "turn" not in fields:
         if set(fields) != {"replay"}:
             raise ValueError(f"mode {text!r}: policy/encoder_replay need turn=<tokens>")
         return Mode(text, replay=replay)
     policy = fields.get("policy", "keep_decoder_swa")
     if policy not in POLICIES:
-        raise ValueError(f"mode {text!r}: policy must be one of {POLICIES}")
-    encoder_replay = (_replay_value(fields["encoder_replay"]) if "encoder_replay" in fields
-                      else None)
-    prefix_cache = fields.get("prefix_cache", "1") not in ("0", "false")
+        raise ValueError(f"mode {text!r}: policy must be one of {POLICIES}; got {policy!r}")
+    encoder_replay = (_replay_value(fields["encoder_replay"], "encoder_replay", text)
+                      if "encoder_replay" in fields else None)
+    flag = fields.get("prefix_cache", "1").lower()
+    if flag not in ("0", "1", "false", "true"):
+        raise ValueError(f"mode {text!r}: prefix_cache must be 0, 1, false or true; got "
+                         f"{fields['prefix_cache']!r}")
+    prefix_cache = flag in ("1", "true")
+    turn = _int_value(fields["turn"], "turn", text, allow_exact=False)
     if prefix_cache and encoder_replay is None:
         encoder_replay = "exact"
-    return Mode(text, replay=replay, turn=int(fields["turn"]), policy=policy,
+    return Mode(text, replay=replay, turn=turn, policy=policy,
                 encoder_replay=encoder_replay if prefix_cache else None,
                 prefix_cache=prefix_cache)
 

@@ -60,9 +60,13 @@ def load_runs(study: Path) -> dict[str, dict]:
         metrics_path = run_dir / "metrics.jsonl"
         rows = []
         if metrics_path.exists():
-            for line in metrics_path.read_text().splitlines():
-                if line.strip():
+            lines = [line for line in metrics_path.read_text().splitlines() if line.strip()]
+            for number, line in enumerate(lines, 1):
+                try:
                     rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    if number < len(lines):   # only a crash's half-written last line is dropped
+                        raise ValueError(f"{metrics_path}: line {number} is not JSON") from None
         config = None
         final = run_dir / "final" / "config.json"
         if final.exists():

@@ -50,12 +50,32 @@ def make_model(cfg: ModelConfig, seed: int) -> CEDModel:
 
 
 def random_ids(batch: int, length: int, seed: int) -> torch.Tensor:
-    """Distinct tokens within each row. With a repeated token, two global entries can be equal
-    in exact arithmetic yet differ in the last bit between the parallel and incremental paths
-    (different matmul shapes), and the top-k would then break that near-tie differently; the
-    spec's tie rule covers exact ties, which tests create on purpose elsewhere."""
+    """Prompts full of repeats, the inputs that produce top-k near-ties: each row tiles a short
+    motif (1 to 6 tokens from an alphabet of 2 to 5), so tokens and substrings longer than any
+    receptive field recur, and a few positions are replaced by other tokens of the alphabet.
+    Two global entries are then often equal in exact arithmetic while the parallel and
+    incremental paths compute them with different kernels; the indexer's scores are rounded
+    before the top-k (`ced.model.select_entries`) so that both paths still choose alike."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    rows = []
+    for _ in range(batch):
+        alphabet = torch.randperm(VOCAB, generator=gen)[:int(torch.randint(2, 6, (1,),
+                                                                            generator=gen))]
+        motif = alphabet[torch.randint(len(alphabet), (int(torch.randint(1, 7, (1,),
+                                                                          generator=gen)),),
+                                       generator=gen)]
+        row = motif.repeat(length // len(motif) + 1)[:length].clone()
+        noise = torch.rand(length, generator=gen) < 0.15
+        row[noise] = alphabet[torch.randint(len(alphabet), (int(noise.sum()),), generator=gen)]
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def distinct_ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    """Distinct tokens within each row (no repeats at all), for checks that need every position
+    to be told apart."""
     if length > VOCAB:
-        raise ValueError(f"random_ids: length {length} > VOCAB {VOCAB}")
+        raise ValueError(f"distinct_ids: length {length} > VOCAB {VOCAB}")
     gen = torch.Generator().manual_seed(seed + 7919)
     return torch.stack([torch.randperm(VOCAB, generator=gen)[:length] for _ in range(batch)])
 

@@ -2,6 +2,9 @@
 greedy generation, and multi-turn extension with the prefix-cache policies of spec 4.3.
 
 The engine holds no model math: it orders calls to `CEDModel.run_layers` over its cache.
+Every call is all-or-nothing on the cache it is given: arguments are checked before anything
+changes, and a call that fails anyway (an error inside the model, an interrupt) restores the
+cache to what it was, so a later call never reads a half-updated cache.
 Inside the engine a replay start acts by absence: positions the decoder never computed are not
 in its window caches, so no query can see them. The parallel forward expresses the same thing
 with `decoder_replay_start`; tests hold the two equal.
@@ -9,8 +12,9 @@ with `decoder_replay_start`; tests hold the two equal.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 from torch import Tensor
@@ -81,6 +85,29 @@ class Cache:
         return counts
 
 
+@contextmanager
+def _all_or_nothing(cache: Cache) -> Iterator[None]:
+    """Restore `cache` if the body raises (anything, KeyboardInterrupt included).
+
+    The model and the engine update a cache by rebinding tensors (`state.k = torch.cat(...)`,
+    `windows[i] = ...`), never by writing into them: `as_prefix_cache` shares tensors with the
+    cache it copies, and so does this snapshot. Keeping the bindings is therefore enough, and
+    costs no copy of the cached tensors."""
+    state = cache.state
+    objects = [cache, state, *(w for w in state.windows if w is not None), *state.sources]
+    saved = [(obj, dict(vars(obj))) for obj in objects]
+    windows, sources = list(state.windows), list(state.sources)
+    try:
+        yield
+    except BaseException:
+        for obj, fields_before in saved:
+            vars(obj).clear()
+            vars(obj).update(fields_before)
+        state.windows[:] = windows
+        state.sources[:] = sources
+        raise
+
+
 def _empty_window(window: WindowKV) -> WindowKV:
     return WindowKV(window.k[:, :, :0], window.v[:, :, :0], window.positions[:0])
 
@@ -97,7 +124,8 @@ class PrefillOutput:
 
 class InferenceEngine:
     """Drives a `CEDModel` incrementally; every method runs without gradients and mutates the
-    cache it is given (use `Cache.as_prefix_cache` for a copy).
+    cache it is given (use `Cache.as_prefix_cache` for a copy), all or nothing: a call that
+    raises leaves the cache as it was.
 
     hidden_tail: how many trailing positions of H_{L_e} the cache keeps for the
     `cached_hidden` policy (default: the exact replay length, capped at max_seq_len).
@@ -121,10 +149,25 @@ class InferenceEngine:
             raise ValueError("InferenceEngine: the model is in training mode with dropout > 0; "
                              "call model.eval() first")
 
-    def _check_ids(self, ids: Tensor, name: str, length_before: int = 0) -> None:
+    def _check_ids(self, ids: Tensor, name: str, length_before: int = 0,
+                   batch: int | None = None) -> None:
+        """Shape [B, T] with T >= 1, an integer dtype, B == batch (a cache's), every id in
+        [0, vocab_size), and the length within max_seq_len; a ValueError naming `name` else."""
         if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
             shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
             raise ValueError(f"{name}: expected a LongTensor [B, T] with T >= 1; got {shape}")
+        # A float or bool tensor would either fail deep inside the embedding or, worse, be
+        # cast silently (True -> token 1).
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"{name}: token ids must have an integer dtype (torch.long); got "
+                             f"{ids.dtype}")
+        if batch is not None and ids.shape[0] != batch:
+            raise ValueError(f"{name}: batch size {ids.shape[0]} does not match the cache's "
+                             f"{batch}")
+        low, high = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+        if low < 0 or high >= self.cfg.vocab_size:
+            raise ValueError(f"{name}: token ids must lie in [0, {self.cfg.vocab_size}); got "
+                             f"values from {low} to {high}")
         if length_before + ids.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{name}: the sequence would reach {length_before + ids.shape[1]} "
                              f"tokens, over ModelConfig.max_seq_len={self.cfg.max_seq_len}")
@@ -157,7 +200,7 @@ class InferenceEngine:
         first n positions and takes the place of the encoder's output there.
         Returns logits [B, V] at the last position."""
         model = self.model
-        tokens = torch.cat((cache.tokens, new_ids.to(cache.tokens.device)), dim=1)
+        tokens = torch.cat((cache.tokens, new_ids.to(cache.tokens.device, torch.long)), dim=1)
         end = tokens.shape[1]
         ctx = ForwardContext(keep_windows=True, hidden=record_hidden)
         positions = torch.arange(encoder_from, end, device=tokens.device)
@@ -224,11 +267,15 @@ class InferenceEngine:
         if cache.encoder_windows_evicted:
             raise ValueError("decode: this is a prefix cache with evicted windows; use extend "
                              "with a policy")
-        if next_ids.dim() != 1 or next_ids.shape[0] != cache.tokens.shape[0]:
+        if not isinstance(next_ids, Tensor) or next_ids.dim() != 1 \
+                or next_ids.shape[0] != cache.tokens.shape[0]:
+            shape = tuple(next_ids.shape) if isinstance(next_ids, Tensor) else \
+                type(next_ids).__name__
             raise ValueError(f"next_ids: expected LongTensor[B] with B={cache.tokens.shape[0]}; "
-                             f"got shape {tuple(next_ids.shape)}")
-        self._check_ids(next_ids[:, None], "next_ids", cache.length)
-        return self._advance(cache, next_ids[:, None], cache.length, cache.length)
+                             f"got shape {shape}")
+        self._check_ids(next_ids[:, None], "next_ids", cache.length, cache.tokens.shape[0])
+        with _all_or_nothing(cache):
+            return self._advance(cache, next_ids[:, None], cache.length, cache.length)
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, replay: Replay = None,
                  eos_id: int | None = None) -> Tensor:
@@ -272,7 +319,13 @@ class InferenceEngine:
             raise ValueError(f"policy: must be one of {POLICIES}; got {policy!r}")
         if cache.length == 0:
             raise ValueError("extend: the cache is empty; call prefill first")
-        self._check_ids(suffix_ids, "suffix_ids", cache.length)
+        self._check_ids(suffix_ids, "suffix_ids", cache.length, cache.tokens.shape[0])
+        with _all_or_nothing(cache):
+            return self._extend(suffix_ids, cache, policy, replay, encoder_replay)
+
+    def _extend(self, suffix_ids: Tensor, cache: Cache, policy: str, replay: Replay,
+                encoder_replay: Replay) -> Tensor:
+        """`extend` once its arguments are checked; the caller restores the cache on failure."""
         prefix, n_new = cache.length, suffix_ids.shape[1]
         end = prefix + n_new
 

@@ -32,8 +32,14 @@ def main() -> None:
     import evals.lmeval  # noqa: F401  registers --model ced
     from lm_eval.__main__ import cli_evaluate
 
+    from evals.lmeval.model import ModelArgsError
+
     sys.argv[0] = "lm-eval"
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ModelArgsError as exc:   # a typo in --model_args, a bad mode or checkpoint: one line
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -45,12 +45,24 @@ log = logging.getLogger(__name__)
 _TOK = ByteTokenizer()
 
 
+# Every key `--model_args` may hold, and the ones lm-eval adds itself (from --device,
+# --batch_size, --max_batch_size). Anything else is a typo and an error: ignoring it would
+# score another mode than the one asked for, with exit status 0.
+MODEL_ARGS = ("checkpoint", "replay", "turn", "policy", "encoder_replay", "prefix_cache", "mode",
+              "topk", "dtype", "device", "batch_size", "max_batch_size", "max_gen_toks")
+
+
+class ModelArgsError(ValueError):
+    """A bad `--model_args` value or checkpoint; one line naming the key or the path."""
+
+
 def build_mode(replay=None, turn=None, policy=None, encoder_replay=None, prefix_cache=None,
                mode=None) -> str:
     """The evals.modes string for lm-eval model_args."""
     if mode is not None:
         if any(v is not None for v in (replay, turn, policy, encoder_replay, prefix_cache)):
-            raise ValueError("model_args: give either mode=... or replay/turn/policy, not both")
+            raise ModelArgsError("model_args: give either mode=... or replay/turn/policy, not "
+                                 "both")
         return str(mode).replace(";", ",")
 
     def none(v) -> bool:
@@ -59,15 +71,17 @@ def build_mode(replay=None, turn=None, policy=None, encoder_replay=None, prefix_
     replay_part = None if none(replay) else f"replay={replay}"
     if none(turn):
         if not (none(policy) and none(encoder_replay) and prefix_cache is None):
-            raise ValueError("model_args: policy/encoder_replay/prefix_cache need turn=<tokens>")
+            raise ModelArgsError("model_args: policy/encoder_replay/prefix_cache need "
+                                 "turn=<tokens>")
         return replay_part or "full"
-    parts = [f"turn={int(turn)}", f"policy={policy or 'keep_decoder_swa'}"]
+    parts = [f"turn={turn}", f"policy={policy or 'keep_decoder_swa'}"]
     if replay_part:
         parts.append(replay_part)
     if not none(encoder_replay):
         parts.append(f"encoder_replay={encoder_replay}")
     if prefix_cache is not None:
-        parts.append(f"prefix_cache={int(str(prefix_cache).lower() not in ('0', 'false'))}")
+        flag = str(prefix_cache).lower()   # anything but these four: parse_mode's error
+        parts.append(f"prefix_cache={ {'true': '1', 'false': '0'}.get(flag, flag)}")
     return ",".join(parts)
 
 
@@ -81,7 +95,20 @@ class CEDLM(LM):
         from evals.suites.runner import load_checkpoint, make_engine
 
         if unused:
-            log.warning("ced: ignoring model_args %s", sorted(unused))
+            raise ModelArgsError(f"ced: unknown model_args key(s) {sorted(unused)}; allowed: "
+                                 f"{list(MODEL_ARGS)}")
+        try:
+            max_gen_toks = int(max_gen_toks)
+        except (TypeError, ValueError):
+            max_gen_toks = 0
+        if max_gen_toks < 1:
+            raise ModelArgsError(f"ced: model_args max_gen_toks must be an int >= 1; got "
+                                 f"{max_gen_toks!r}")
+        try:
+            self.mode_name = build_mode(replay, turn, policy, encoder_replay, prefix_cache, mode)
+            self.mode: Mode = parse_mode(self.mode_name)
+        except ValueError as exc:
+            raise ModelArgsError(f"ced: model_args: {exc}") from None
         device = str(device or "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             # lm_eval's CLI passes --device cuda:0 unless told otherwise
@@ -89,21 +116,24 @@ class CEDLM(LM):
             device = "cpu"
         if model is None:
             if checkpoint is None:
-                raise ValueError("ced: model_args needs checkpoint=<directory of save_model>")
-            model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device)
+                raise ModelArgsError("ced: model_args needs checkpoint=<directory of "
+                                     "save_model>")
+            try:
+                model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device)
+            except ValueError as exc:   # CheckpointError included: names the file
+                raise ModelArgsError(f"ced: {str(exc).splitlines()[0]}") from None
         self.model = model.eval()
         self.cfg = model.cfg
-        self.mode_name = build_mode(replay, turn, policy, encoder_replay, prefix_cache, mode)
-        self.mode: Mode = parse_mode(self.mode_name)
         if self.mode.replay is not None and not self.cfg.has_decoder:
-            raise ValueError(f"ced: replay needs a decoder; variant {self.cfg.variant!r} has none")
+            raise ModelArgsError(f"ced: replay needs a decoder; variant {self.cfg.variant!r} "
+                                 f"has none")
         # rolling windows start from a lone BOS: no turn to split off
         self.rolling_mode = parse_mode("full" if self.mode.replay is None
                                        else f"replay={self.mode.replay}")
         replays = [int(self.mode.replay)] if isinstance(self.mode.replay, int) else []
         self.engine = make_engine(model, replays)
         self.batch_size = _batch_size(batch_size)
-        self.max_gen_toks = int(max_gen_toks)
+        self.max_gen_toks = max_gen_toks
         self.checkpoint = checkpoint
         self._device = next(model.parameters()).device
 

@@ -380,8 +380,8 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
               wandb_group: str | None = None, progress: bool = True) -> dict:
     """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings"}."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device)
+    out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
     settings = SuiteSettings.from_config(cfg, replays, turns,
                                          extra_distances=tuple(extra_distances),

@@ -1,6 +1,8 @@
 """The invariants of ced-spec.md section 6, on random weights and inputs across many seeds,
-shapes and schedules. Equalities hold to TOL = 1e-10 in float64 (the two sides differ only in
-summation order); inequalities require a difference of at least 1e-6."""
+shapes and schedules; the prompts are full of repeated tokens and substrings (conftest's
+random_ids), the inputs that produce top-k near-ties. Equalities hold to TOL = 1e-10 in float64
+(the two sides differ only in summation order); inequalities require a difference of at least
+1e-6."""
 
 from __future__ import annotations
 

@@ -57,14 +57,17 @@ def requests(kind: str, args: list[tuple]) -> list[Instance]:
     return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
 
 
-# No substring of W=6 or more characters occurs twice in a context: identical windows give global
-# entries equal in exact arithmetic, whose top-k ties the engine and the parallel forward may
-# break differently in the last bit (README, "Ties in the top-k"), which would blur the exact
-# comparison with the full forward (an "id 012 code" needle prompt does exactly that).
+# Prompts full of repeats among them: identical windows give global entries equal in exact
+# arithmetic, which the engine and the parallel forward compute with different kernels; the
+# indexer's scores are rounded before the top-k (README, "Ties in the top-k"), so such near-ties
+# break alike on both paths and the exact comparison with the full forward holds on them too.
 PAIRS = [("ko lusa K=7 be Q=3 du ma X=1 zo pe N=4 tavi ?K=", "7"),
          ("vu 4 ka 9 mi 2 lo 8 nefa duri ?ka ", "9 "),
          ("", "abc"),                                   # empty context: BOS alone
-         ("ze F=7 ze mala sama sepi pubege kore W=5 var U=7 veru ?W=", "5 ")]
+         ("ze F=7 ze mala sama sepi pubege kore W=5 var U=7 veru ?W=", "5 "),
+         ("id 012 code id 012 code id 012 code id 7 code ?id ", "012"),
+         ("abababababababababababababab aaaaaaaaaaaa ab", "ab"),
+         ("the cat sat on the mat. " * 4 + "the cat sat on the ", "mat")]
 
 
 def engine_ll(model, context: str, continuation: str, mode: str) -> tuple[float, bool]:
