@@ -1,9 +1,10 @@
 """GPU readiness (`make gpu-check`): the model, engine and a training step on CUDA.
 
 1. Exactness on the device: for every variant, a small float64 model with random weights on
-   CUDA; incremental prefill + decode equals the parallel forward (spec invariants 1-4: full
-   prefill for all, early exit with N = R_exact and bounded N = 3 against the truncated-window
-   forward for the split variants), max |difference| against the tolerance 1e-9.
+   CUDA; incremental prefill + decode equals the parallel forward (docs/semantics.md
+   invariants 1-4: full prefill for all, early exit with N = R_exact and bounded N = 3
+   against the truncated-window forward for the split variants), max |difference| against
+   the tolerance 1e-9.
 2. Timings (CUDA events, median of 5 after 2 warm-up runs) at the peer benchmark's size
    (d_model 256, 8 + 8 layers, W 64, ced top-k 64, B 8 x T 512): one AdamW training step per
    variant in fp32 and bf16 autocast, and the prefill (full and, for the split variants,

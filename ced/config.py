@@ -2,7 +2,7 @@
 
 Everything structural about a variant (which layers have a window, which read which global KV,
 in which mode, with which compression) is computed here, by `build_plan`, and nowhere else.
-See ../shared/design/ced-spec.md sections 1 and 3.
+See docs/semantics.md sections 1 and 3.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ GlobalMode = Literal["full", "reindex", "reuse"]
 class ModelConfig:
     """Hyper-parameters of one model. Keys equal those of `conf/model/*.yaml`.
 
-    Variants (one code path, spec section 1):
+    Variants (one code path, docs/semantics.md section 1):
       dense: `n_encoder_layers + n_decoder_layers` layers of full causal attention (`window` unused).
       swa:   the same depth, sliding-window attention only.
       yoco:  SWA encoder; decoder layers read only ONE global KV projected from the normalised
@@ -409,7 +409,7 @@ def global_read_is_masked(mode: str, n_queries: int, n_read: int, slots: int) ->
 
 
 def exact_replay_length(c: ModelConfig) -> int:
-    """Smallest decoder replay N for which early-exit prefill is exact (spec 4.1).
+    """Smallest decoder replay N for which early-exit prefill is exact (docs/semantics.md 4.1).
 
     ced: n_decoder_layers * (window - 1) + 1; yoco: 1 (no decoder windows, any N >= 1 is exact).
     """
@@ -448,7 +448,7 @@ def paper_replay_length(c: ModelConfig) -> int:
 
 
 def exact_encoder_replay_length(c: ModelConfig) -> int:
-    """Smallest encoder replay N_e that makes a prefix-cache hit exact (spec 4.2)."""
+    """Smallest encoder replay N_e that makes a prefix-cache hit exact (docs/semantics.md 4.2)."""
     if not c.has_decoder:
         raise ValueError(f"exact_encoder_replay_length: variant {c.variant!r} has no prefix-"
                          "cache replay; only 'yoco' and 'ced' do")

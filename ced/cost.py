@@ -28,7 +28,7 @@ not FLOPs here. Two countings of the attention-side terms:
     window keys (min(W, ...)), its own min(topk, visible) entries and indexes only visible
     entries. The paper-scale numbers use this.
 Both are produced by the same walk over the layer plan (`_Walk`); only the per-block counts
-differ. Semantics: ../shared/design/ced-spec.md (sections 1, 3, 4.1, 8).
+differ. Semantics: docs/semantics.md (sections 1, 3, 4.1, 7).
 
 CLI: `python -m ced.cost model=deepseek_v41_flash [seq_len=131072] [--json | json=true]`.
 """

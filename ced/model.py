@@ -6,7 +6,7 @@ One code path serves training, parallel evaluation and incremental inference:
 forward calls it once over all positions with empty states; the inference engine calls it with
 its cache. Attention itself is `attend`; which window keys a query may see is
 `window_lower_bound`; which global entries, `visible_entries` and `select_entries`.
-Semantics: ../shared/design/ced-spec.md.
+Semantics: docs/semantics.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def as_replay_starts(value: None | int | Tensor, batch: int, name: str,
     """Normalise a replay-start argument to LongTensor[B, K] (K starts per row) or None.
 
     Accepts None, an int (same start for every row), LongTensor[B] or LongTensor[B, K].
-    A query at position i is truncated at the latest start s <= i (spec section 7).
+    A query at position i is truncated at the latest start s <= i (docs/semantics.md 4.4).
     """
     if value is None:
         return None
@@ -352,7 +352,7 @@ class RMSNorm(nn.Module):
 class GlobalKVSource(nn.Module):
     """Produces one global KV from a hidden state: per-token K/V projection, softmax-gated
     pooling over blocks of `compress_ratio` tokens, RoPE at the block's first position, and
-    indexer keys projected from the pooled entry (spec section 3)."""
+    indexer keys projected from the pooled entry (docs/semantics.md section 3.1)."""
 
     def __init__(self, cfg: ModelConfig, compress_ratio: int):
         super().__init__()
@@ -642,10 +642,11 @@ class CEDModel(nn.Module):
         """Parallel forward. input_ids [B, T] -> logits [B, T, V].
 
         decoder_replay_start: None, int, LongTensor[B] or [B, K]: every decoder window query at
-        position i is truncated at the latest start s <= i (spec 4.1 and 7). With s = T - N this
-        equals early-exit prefill with replay N followed by decode steps.
-        encoder_replay_start: the same for encoder (and dense/swa) windows (spec 7; a plain mask,
-        not the prefix-cache emulation of spec 4.2, which reuses untruncated global KV).
+        position i is truncated at the latest start s <= i (docs/semantics.md 4.1, 4.4). With
+        s = T - N this equals early-exit prefill with replay N followed by decode steps.
+        encoder_replay_start: the same for encoder (and dense/swa) windows (docs/semantics.md
+        4.4; a plain mask, not the prefix-cache emulation of its 4.2, which reuses untruncated
+        global KV).
         return_aux: also return {"indexer_kl": scalar} (0 when there is no indexer).
         dense_global_read: read every visible global entry even when topk is set (indexer
         warm-up); the indexer KL then covers every visible entry.

@@ -1,7 +1,7 @@
 """Storage formats of cached tensors, for the cost model (`ced.cost`).
 
 A format name is a base type, optionally followed by `_block{N}`: one 1-byte scale (E4M3 or
-UE8M0) per N consecutive values, as in DeepSeek-V4.1's FP4 KV (ced-spec.md section 8: a
+UE8M0) per N consecutive values, as in DeepSeek-V4.1's FP4 KV (docs/semantics.md section 7: a
 512-dim latent in FP4 with one E4M3 scale per 16 channels is 256 + 32 = 288 bytes).
 
 Base types: fp64 / float64, fp32 / float32, bf16 / bfloat16, fp16 / float16, fp8 / fp8_e4m3 /

@@ -51,7 +51,7 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-# ---- replay simulation (spec section 7) ------------------------------------------------------
+# ---- replay simulation (docs/semantics.md section 4.4) ---------------------------------------
 
 def sample_replay_starts(sim: ReplaySimulation, row_ids: torch.Tensor, seq_len: int,
                          seed: int) -> torch.Tensor | None:

@@ -56,8 +56,8 @@ class OptimConfig:
 
 @dataclass
 class ReplaySimulation:
-    """Training-time replay simulation (spec section 7). With probability `probability` a
-    sequence gets `starts_per_sequence` replay starts s; `T - s` is exactly `length`
+    """Training-time replay simulation (docs/semantics.md 4.4). With probability `probability`
+    a sequence gets `starts_per_sequence` replay starts s; `T - s` is exactly `length`
     (distribution=fixed) or uniform in [min_length, length] (distribution=uniform). With one
     start, T is the sequence length; with several, each start's T is a uniformly drawn prompt
     end, so the starts cut the sequence into segments. A query at i is truncated at the latest

@@ -1,9 +1,9 @@
 """How far each inference mode drifts from the exact model: `python -m evals.divergence`.
 
 For every checkpoint, prompt length T and inference mode (bounded replay N for each configured
-N, exact replay, YOCO's early exit, every multi-turn policy of spec 4.3, encoder bounded replay
-at a prefix-cache hit, spec 4.2) it compares the engine's logits with the exact model's (the
-engine's full prefill, every token through every layer):
+N, exact replay, YOCO's early exit, every multi-turn policy of docs/semantics.md 4.3, encoder
+bounded replay at a prefix-cache hit, its 4.2) it compares the engine's logits with the exact
+model's (the engine's full prefill, every token through every layer):
 
 - per step g of a teacher-forced continuation (g = 0 is the first generated position): KL(exact ||
   mode), total variation, top-1 agreement, and the change in log-probability of the reference

@@ -8,8 +8,8 @@ A mode is written as a short string:
     replay=32 | replay=exact      early-exit prefill with bounded / exact decoder replay
     turn=8,policy=suffix_only,replay=32[,encoder_replay=64|exact][,prefix_cache=0]
                                   the context's last 8 tokens are a new turn appended to a
-                                  cached prefix (spec 4.3); a prefix cache (windows evicted,
-                                  spec 4.2) unless prefix_cache=0
+                                  cached prefix (docs/semantics.md 4.3); a prefix cache
+                                  (windows evicted, its 4.2) unless prefix_cache=0
 
 `yoco` models accept the same modes; for them any replay is exact.
 """

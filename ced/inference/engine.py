@@ -1,5 +1,6 @@
 """Incremental inference: prefill (full, or early exit with bounded/exact replay), decode,
-greedy generation, and multi-turn extension with the prefix-cache policies of spec 4.3.
+greedy generation, and multi-turn extension with the prefix-cache policies of
+docs/semantics.md section 4.3.
 
 The engine holds no model math: it orders calls to `CEDModel.run_layers` over its cache.
 Every call is all-or-nothing on the cache it is given: arguments are checked before anything
@@ -49,10 +50,10 @@ class Cache:
         return self.tokens.shape[1]
 
     def as_prefix_cache(self, keep_decoder_windows: bool = False) -> "Cache":
-        """A copy as V4.1's prefix cache keeps it (spec 4.2): global KV only. Window KV is
-        evicted (the decoder's kept if asked, for the `keep_decoder_swa` policy), and so is the
-        pending state of an incomplete compression block; the H_{L_e} tail stays, for the
-        `cached_hidden` policy (`nbytes` reports its memory)."""
+        """A copy as V4.1's prefix cache keeps it (docs/semantics.md 4.2): global KV only.
+        Window KV is evicted (the decoder's kept if asked, for the `keep_decoder_swa` policy),
+        and so is the pending state of an incomplete compression block; the H_{L_e} tail stays,
+        for the `cached_hidden` policy (`nbytes` reports its memory)."""
         windows = [None if w is None else replace(w)
                    if keep_decoder_windows and i in self.decoder_layers else _empty_window(w)
                    for i, w in enumerate(self.state.windows)]
@@ -304,7 +305,7 @@ class InferenceEngine:
         replay (N): the decoder runs the last N positions of the whole sequence, truncated at
         their start; None -> every new token with no truncation. When m < N the other N - m
         positions lie in the cached prefix and `policy` says where their H_{L_e} comes from
-        (spec 4.3):
+        (docs/semantics.md 4.3):
           keep_decoder_swa: the previous turn's decoder window KV is still there (a live cache,
             or as_prefix_cache(keep_decoder_windows=True)); the decoder runs only new tokens.
           suffix_only: the decoder replays only the m new tokens, truncated at the prefix end.
@@ -312,7 +313,8 @@ class InferenceEngine:
           encoder_replay: H_{L_e} of prefix positions comes from the encoder replay below.
         encoder_replay (N_e): when the cache's encoder windows were evicted (a prefix cache),
         the last N_e prefix tokens rerun the encoder with windows truncated at P - N_e, reusing
-        the cached global KV (spec 4.2); 'exact' = n_encoder_layers * (window - 1) + 1.
+        the cached global KV (docs/semantics.md 4.2);
+        'exact' = n_encoder_layers * (window - 1) + 1.
         """
         self._check_ready()
         if policy not in POLICIES:

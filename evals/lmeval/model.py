@@ -3,7 +3,7 @@
     lm_eval --model ced --model_args checkpoint=/path/final,replay=32 ...      (see __main__)
     model_args: checkpoint (required), replay (int | exact | none; default none = `full`),
                 turn + policy (+ encoder_replay, prefix_cache): a multi-turn mode, the context's
-                last `turn` tokens being a new turn on a cached prefix (spec 4.3),
+                last `turn` tokens being a new turn on a cached prefix (docs/semantics.md 4.3),
                 mode (instead of the above: an evals.modes string, ';' for ','),
                 topk (int | all: override the checkpoint's top-k), dtype (float32 | float64),
                 batch_size, max_gen_toks (default 256); the device comes from lm_eval's

@@ -17,7 +17,7 @@ included). The model's prompt is [BOS] + context bytes and the answer is target'
 content before the layout, so the facts at different distances are the same facts moved:
 comparisons across x are paired too.
 
-Families (spec 4; see each `points_*` function):
+Families (docs/semantics.md section 4; see each `points_*` function):
   recall           kv_recall, fact at distance d in {1, N-1, N, N+1, W, R_exact-1, R_exact,
                    R_exact+1, 2 R_exact} (clamped to the smallest distance the task allows)
   copy             copy a span that begins d tokens from the end (before the replay start
@@ -30,7 +30,7 @@ Families (spec 4; see each `points_*` function):
   short            prompts with T <= N (bounded replay must be exact); x = T
   boundary         T at block (m) and window (W) boundaries, T mod m, T mod W in {-1, 0, 1}
   multiturn        recall whose last `turn` tokens are a new turn on a cached prefix; the only
-                   family evaluated with the multi-turn policies of spec 4.3
+                   family evaluated with the multi-turn policies of docs/semantics.md 4.3
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("boundary", "kv_recall", "length", points_boundary,
            "T at block and window boundaries (T mod m, T mod W in {-1, 0, 1})"),
     Family("multiturn", "kv_recall", "distance", points_multiturn,
-           "a cached prefix then a short new turn (< N tokens), every policy of spec 4.3",
+           "a cached prefix then a short new turn (< N tokens), every multi-turn policy (docs/semantics.md 4.3)",
            turn_modes=True),
 ]}
 

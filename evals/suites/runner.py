@@ -83,8 +83,8 @@ def suite_modes(cfg, replays: Iterable[int], turns: Iterable[int] = ()) -> tuple
     """(modes for every family, extra multi-turn modes for families with turn_modes).
 
     Every family: full, replay=N for each N, replay=exact (dense/swa: full only).
-    Multi-turn: turn=m,policy=P,replay=R for each m, each policy of spec 4.3, R in N's + exact
-    (a prefix cache, spec 4.2, with exact encoder replay: evals.modes' default)."""
+    Multi-turn: turn=m,policy=P,replay=R for each m, each policy of docs/semantics.md 4.3, R in
+    N's + exact (a prefix cache, its 4.2, with exact encoder replay: evals.modes' default)."""
     if not cfg.has_decoder:
         return [FULL], []
     replays = sorted(set(replays))

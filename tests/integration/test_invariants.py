@@ -1,5 +1,5 @@
-"""The invariants of ced-spec.md section 6, on random weights and inputs across many seeds,
-shapes and schedules; the prompts are full of repeated tokens and substrings (conftest's
+"""The invariants of docs/semantics.md section 6, on random weights and inputs across many
+seeds, shapes and schedules; the prompts are full of repeated tokens and substrings (conftest's
 random_ids), the inputs that produce top-k near-ties. Equalities hold to TOL = 1e-10 in float64
 (the two sides differ only in summation order); inequalities require a difference of at least
 1e-6."""
@@ -270,7 +270,8 @@ def test_policies_equal_their_truncated_parallel_forward(seed):
 
 def test_live_multi_turn_with_two_replay_starts():
     """prefill with replay N0, then a long new turn with bounded replay N1 < m: the parallel
-    forward with two starts per row (spec 7: truncate at the latest start <= i) must agree."""
+    forward with two starts per row (docs/semantics.md 4.4: truncate at the latest start
+    <= i) must agree."""
     cfg = tiny_config(topk=2, window=3)
     for seed in range(4):
         model = make_model(cfg, seed)

@@ -1,4 +1,5 @@
-"""ModelConfig validation, the Full/Reindex/Reuse layer plan and replay lengths (spec 1, 3, 4)."""
+"""ModelConfig validation, the Full/Reindex/Reuse layer plan and replay lengths
+(docs/semantics.md sections 1, 3, 4)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The analytic cost model (ced/cost.py): the paper's numbers on the paper-scale config
-(ced-spec.md section 8), the CLI, storage formats, closed-form sums against brute force, and
-parameter counts against the real model."""
+(docs/semantics.md section 7), the CLI, storage formats, closed-form sums against brute force,
+and parameter counts against the real model."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def flash_report(flash) -> dict:
     return report(flash, seq_len=131072)
 
 
-# ---- 1. the paper's numbers (spec section 8, the seed) ------------------------------------
+# ---- 1. the paper's numbers (docs/semantics.md section 7) ----------------------------------
 
 PER_LAYER = 374e6
 EMBEDDING = 0.66e9
@@ -309,7 +309,7 @@ def test_closed_form_sums():
 
 
 def brute_causal_attention_keys(cfg: ModelConfig, seq_len: int, n_replay: int) -> dict:
-    """Per-query counts summed, straight from the spec's rules (no blocks)."""
+    """Per-query counts summed, straight from the rules of docs/semantics.md (no blocks)."""
     from ced.config import build_plan
     plan = build_plan(cfg)
     window = read = scored = 0

@@ -114,7 +114,7 @@ def test_attend_sink_only_enters_the_denominator():
 
 
 def test_attend_with_a_brute_force_reference():
-    """One query's output against the softmax written out by hand from the spec's rule."""
+    """One query's output against the softmax written out by hand from docs/semantics.md 2."""
     q, positions, keys, source, sink = _random_sources(1, 15, 2)
     starts = as_replay_starts(torch.tensor([0, 9]), 2, "s")
     lower = window_lower_bound(positions, 4, starts)
