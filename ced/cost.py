@@ -21,8 +21,8 @@ not FLOPs here. Two countings of the attention-side terms:
     block's window logits span the block plus the W-1 earlier positions (a masked rectangle);
     a dense global read, and a top-k read that `global_read_is_masked` runs as a masked
     matmul, span the entries visible to the block's last query (a gathered top-k read: its k
-    slots per query); the lightning
-    indexer of a Full/Reindex layer scores every entry the source holds, visible or not.
+    slots per query); the lightning indexer of a Full/Reindex layer scores every entry the
+    source holds, visible or not.
     Tests hold this equal to FlopCounterMode on the real model, per inference mode.
   counting="causal": what an ideal kernel needs: each query scores only its own visible
     window keys (min(W, ...)), its own min(topk, visible) entries and indexes only visible
@@ -42,8 +42,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .config import (global_read_is_masked, LayerSpec, ModelConfig, build_plan, exact_replay_length, resolve_replay,
-                     paper_replay_length)
+from .config import (LayerSpec, ModelConfig, build_plan, exact_replay_length,
+                     global_read_is_masked, paper_replay_length, resolve_replay)
 from .storage import StorageFormat, parse_storage
 
 COUNTINGS = ("executed", "causal")
