@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, atomic_directory,
                          check_training_checkpoint, commit_directory, first_non_finite,
-                         remove_orphans, save_model)
+                         read_json, remove_orphans, save_model)
 from .cli import fail as _fail
 from .data import answer_accuracy, build_source
 from .model import CEDModel
@@ -408,6 +408,7 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
     # is checked: a refused or failed start leaves an earlier run exactly as it was.
     plan = _on_main(accelerator, lambda: plan_run(t, run_dir, accelerator.unwrap_model(model)))
     start_step = plan.start_step
+    trainer_state: dict = {}
     if plan.resume_from is not None:
         try:
             accelerator.load_state(str(plan.resume_from))
@@ -415,12 +416,12 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
             reason = (str(exc).strip().splitlines() or [""])[0]
             raise CheckpointError(f"{plan.resume_from}: cannot be loaded ({type(exc).__name__}: "
                                   f"{reason})") from None
-    trainer_state: dict = {}
-    if plan.resume_from is not None:
         # The wandb run id travels with the checkpoint, so a resumed run continues the same
-        # wandb run instead of starting a second one.
-        saved = json.loads((plan.resume_from / TRAINER_STATE).read_text())
-        trainer_state = {k: v for k, v in saved.items() if k == "wandb_run_id"}
+        # wandb run instead of starting a second one (plan_run has checked this file). A
+        # checkpoint of another run directory starts a new wandb run: its history is not ours.
+        if run_dir.resolve() in plan.resume_from.resolve().parents:
+            saved = read_json(plan.resume_from / TRAINER_STATE)
+            trainer_state = {k: v for k, v in saved.items() if k == "wandb_run_id"}
 
     metrics_file = run_dir / METRICS
     if accelerator.is_main_process:

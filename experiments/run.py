@@ -194,8 +194,11 @@ class Study:
         self.status: dict[str, dict] = {}
         self.started = time.time()
         self.env = {"WANDB_RUN_GROUP": self.group, "WANDB_PROJECT": project,
-                    "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                    "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+                    "WANDB_SILENT": "true", "OMP_NUM_THREADS": str(threads),
+                    "PYTHONUNBUFFERED": "1",
+                    # offline unless the user's environment chose otherwise (as ced.train does)
+                    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+                    "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1")}
         os.environ.setdefault("WANDB_MODE", "offline")
 
     # bookkeeping

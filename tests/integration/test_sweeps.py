@@ -74,6 +74,21 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path):
     assert lineage["artifact"] == f"model-{run_id}:latest"
 
 
+def test_starting_from_another_runs_checkpoint_starts_a_new_wandb_run(tmp_path):
+    """A checkpoint of another run directory seeds the weights, not the wandb history."""
+    common = [*FAST, "logging.wandb=true", "logging.mode=offline", "train.save_every=2"]
+    first = run("ced.train", *common, "train.steps=2", f"hydra.run.dir={tmp_path / 'a'}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    start = tmp_path / "a" / "checkpoints" / "step_00000002"
+    second = run("ced.train", *common, "train.steps=4", f"train.resume={start}",
+                 f"hydra.run.dir={tmp_path / 'b'}")
+    assert second.returncode == 0, second.stderr[-2000:]
+    old = json.loads((start / "trainer_state.json").read_text())["wandb_run_id"]
+    new = json.loads((tmp_path / "b" / "checkpoints" / "step_00000004" / "trainer_state.json")
+                     .read_text())["wandb_run_id"]
+    assert new != old
+
+
 def study_file(path: Path, steps: int) -> Path:
     path.write_text(f"name: mini\nseeds: [0, 1]\n"
                     f"train: [model=tiny, debug=fast, train.steps={steps}]\n"
