@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup test test-slow demo study bench bench-core bench-train bench-peer gpu-check clean
+.PHONY: setup test test-slow demo study bench bench-core bench-train bench-peer bench-learning gpu-check clean
 
 # Re-created whenever pyproject.toml changes, so a fresh clone needs no manual install step.
 $(VENV)/.installed: pyproject.toml
@@ -47,6 +47,11 @@ bench-train: $(VENV)/.installed
 # Training step of dense/swa/yoco/ced against a plain GPT of the same size (issue 10 targets).
 bench-peer: $(VENV)/.installed
 	$(PY) benchmarks/peer.py
+
+# Learning probe: a plain GPT (learned or rotary positions) and the ced variants on the same
+# synthetic rows; validation exact match against step -> benchmarks/results/learning.*
+bench-learning: $(VENV)/.installed
+	$(PY) benchmarks/learning.py
 
 # On a CUDA machine: exactness of engine vs forward on the device, train-step and prefill
 # timings per variant -> benchmarks/results/gpu_check.json (says so and checks nothing on CPU).

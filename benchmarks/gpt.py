@@ -1,6 +1,7 @@
 """A plain GPT, the model our users would otherwise train: the peer baseline of `make bench-peer`.
 
-Standard pre-norm decoder-only transformer: token + learned position embeddings, per block
+Standard pre-norm decoder-only transformer: token + learned position embeddings (or, with
+`positions="rotary"`, no position embedding and ced's rotary embedding on q and k), per block
 LayerNorm -> causal multi-head self-attention (torch's scaled_dot_product_attention) -> residual,
 LayerNorm -> GELU MLP of width 4 * d_model -> residual; final LayerNorm and an untied LM head.
 Written for this benchmark only; nothing in `ced` depends on it.
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ced.model import rotary
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -23,12 +26,14 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 16
     max_seq_len: int = 2048
+    positions: str = "learned"      # learned | rotary (benchmarks/learning.py compares them)
 
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.rotary = cfg.positions == "rotary"
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -37,6 +42,9 @@ class SelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = (part.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
                    for part in self.qkv(x).split(d, dim=-1))
+        if self.rotary:
+            positions = torch.arange(t, device=x.device)
+            q, k = rotary(q, positions, 10000.0), rotary(k, positions, 10000.0)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
@@ -60,7 +68,10 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        if cfg.positions not in ("learned", "rotary"):
+            raise ValueError(f"GPTConfig.positions must be learned or rotary, got {cfg.positions!r}")
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" \
+            else None
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -74,7 +85,9 @@ class GPT(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """ids [B, T] -> logits [B, T, V]."""
         t = ids.shape[1]
-        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        h = self.tok(ids)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(t, device=ids.device))
         for block in self.blocks:
             h = block(h)
         return self.head(self.ln_f(h))
