@@ -197,28 +197,33 @@ def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
 
 def read_metrics(path: Path, step: int, warnings: list[str]) -> list[str]:
     """The lines of metrics.jsonl up to `step` (later ones were logged by a killed run after its
-    last checkpoint, and are redone). A half-written last line (what a crash or a full disk
-    leaves) is dropped with a warning; a damaged line before it is an error naming it."""
+    last checkpoint, and are redone); see `metrics_records` for damaged lines."""
     if step == 0 or not path.exists():
         return []
+    return [line for line, record in metrics_records(path, warnings) if record["step"] <= step]
+
+
+def metrics_records(path: Path, warnings: list[str]) -> list[tuple[str, dict]]:
+    """(line, record) of every line of a metrics.jsonl. A half-written last line (what a crash
+    or a full disk leaves) is dropped with a warning; a damaged line before it is an error
+    naming it."""
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__})") from None
-    kept = []
+    records = []
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-            logged = record["step"]
+            record["step"]
         except (json.JSONDecodeError, TypeError, KeyError):
             if number == len(lines):
                 warnings.append(f"{path}: dropped its half-written last line {number}")
                 break
             raise CheckpointError(f"{path}: line {number} is not a JSON record with a 'step'; "
                                   f"repair or delete that line") from None
-        if logged <= step:
-            kept.append(line)
-    return kept
+        records.append((line, record))
+    return records
 
 
 def discard_run(run_dir: Path) -> None:

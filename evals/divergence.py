@@ -311,65 +311,15 @@ def divergence_scalars(summary: list[dict]) -> dict[str, float]:
 
 
 def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
-    """KL and top-1 agreement at the first generated position against N (one line per
-    checkpoint and T), and per-layer error by offset inside the replay segment."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paths = []
-    replay_modes = [s for s in summary if s["mode"].startswith("replay=") and s["step"] == 0]
-    for metric, label in (("kl", "KL(exact || replay) at the first generated token"),
-                          ("top1_agree", "top-1 agreement with the exact model")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        keys = sorted({(s["checkpoint"], s["T"]) for s in replay_modes})
-        for checkpoint, length in keys:
-            points = sorted((s["N"], s["mean"], s["ci_low"], s["ci_high"]) for s in replay_modes
-                            if s["metric"] == metric and s["checkpoint"] == checkpoint
-                            and s["T"] == length)
-            if not points:
-                continue
-            n, mean, low, high = map(np.asarray, zip(*points))
-            name = f"{Path(checkpoint).parent.name or checkpoint} T={length}"
-            ax.errorbar(n, mean, yerr=[mean - low, high - mean], marker="o", capsize=3,
-                        label=name)
-            r_exact = next(s["r_exact"] for s in replay_modes if s["checkpoint"] == checkpoint)
-            ax.axvline(r_exact, linestyle=":", color="grey")
-        ax.set_xscale("log", base=2)
-        if metric == "kl":
-            ax.set_yscale("symlog", linthresh=1e-10)
-            ax.set_ylim(bottom=0)
-        ax.set_xlabel("decoder replay N (dotted: R_exact)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{metric}_vs_replay.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    layer_rows = table[table["metric"].isin(["hidden_rel_l2", "kv_rel_l2"])]
-    if len(layer_rows):
-        # The longest bounded replay shows the most offsets.
-        longest = layer_rows[layer_rows["N"] == layer_rows["N"].max()]
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for (metric, layer), part in longest.groupby(["metric", "layer"]):
-            curve = part.groupby("offset")["value"].mean()
-            style = "-" if metric == "hidden_rel_l2" else "--"
-            what = "hidden state" if metric == "hidden_rel_l2" else "window K/V"
-            ax.plot(curve.index, curve.values, style, marker=".",
-                    label=f"decoder layer {int(layer)}: {what}")
-        ax.set_yscale("log")
-        ax.set_xlabel(f"offset inside the replay segment (N={int(longest['N'].iloc[0])}; "
-                      "0 = replay start)")
-        ax.set_ylabel("relative L2 error vs the exact model")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / "layer_error_by_offset.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    """Write the run's figures (evals.plots): KL and top-1 agreement at the first generated
+    position against N (`kl_vs_replay.png`, `top1_agree_vs_replay.png`) and the per-layer error
+    by offset inside the replay segment (`layer_error_by_offset.png`)."""
+    from . import plots
+    figures = [(plots.divergence_figure(summary, metrics=(metric,), title=None),
+                f"{metric}_vs_replay.png") for metric in plots.DIVERGENCE_METRICS]
+    figures.append((plots.layer_error_figure(table), "layer_error_by_offset.png"))
+    return [plots.save(fig, out_dir / name, dpi=120) for fig, name in figures
+            if fig is not None]
 
 
 # ---- entry point ---------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ prices every inference mode with the analytic cost model (`ced.cost.prefill_flop
 embedded as base64, it opens from disk). The same plots and tables go to a wandb run
 (offline unless WANDB_MODE says otherwise) in the study's group.
 
-The loaders (`load_*`) and plotters (`plot_*`) are public: notebooks/analysis.py uses them.
+report.html leads with the answer: a short summary and the headline plot (accuracy against N
+per family, seeds as bands), then the sections; the long divergence table is collapsed. The
+plots are drawn by `evals.plots`. The loaders (`load_*`) and tables are public:
+notebooks/analysis.py uses them.
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ import html
 import json
 import math
 import os
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+
+from ced.tracking import checkpoint_label
 
 FULL = "full"
 
@@ -54,19 +61,15 @@ def _run_dirs(root: Path) -> list[tuple[str, Path]]:
 
 def load_runs(study: Path) -> dict[str, dict]:
     """run label (`<job>/seed<k>`) -> {"config": model config (final/config.json), "metrics":
-    DataFrame of metrics.jsonl, "run_dir": Path, "final": final/ or None}."""
+    DataFrame of metrics.jsonl (read by ced.train.metrics_records: a crash's half-written last
+    line is dropped, a damaged earlier line is an error), "run_dir": Path, "final": final/ or
+    None}."""
+    from ced.train import metrics_records
     runs = {}
     for label, run_dir in _run_dirs(Path(study) / "runs"):
         metrics_path = run_dir / "metrics.jsonl"
-        rows = []
-        if metrics_path.exists():
-            lines = [line for line in metrics_path.read_text().splitlines() if line.strip()]
-            for number, line in enumerate(lines, 1):
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    if number < len(lines):   # only a crash's half-written last line is dropped
-                        raise ValueError(f"{metrics_path}: line {number} is not JSON") from None
+        rows = ([record for _, record in metrics_records(metrics_path, [])]
+                if metrics_path.exists() else [])
         config = None
         final = run_dir / "final" / "config.json"
         if final.exists():
@@ -74,13 +77,6 @@ def load_runs(study: Path) -> dict[str, dict]:
         runs[label] = {"config": config, "metrics": pd.DataFrame(rows),
                        "run_dir": run_dir, "final": final.parent if config else None}
     return runs
-
-
-def job_of_checkpoint(path: str) -> str:
-    """.../runs/<job>/seed<k>/final -> <job>/seed<k> (.../runs/<job>/final -> <job>)."""
-    p = Path(path)
-    run = p.parent if p.name == "final" else p
-    return f"{run.parent.name}/{run.name}" if run.name.startswith("seed") else run.name
 
 
 def file_label(label: str) -> str:
@@ -95,7 +91,7 @@ def load_divergence(study: Path) -> pd.DataFrame:
         return pd.DataFrame()
     table = pd.DataFrame(json.loads(path.read_text()))
     if len(table):
-        table["job"] = table["checkpoint"].map(job_of_checkpoint)
+        table["job"] = table["checkpoint"].map(checkpoint_label)
     return table
 
 
@@ -192,167 +188,6 @@ def params_of(config: dict | None) -> int | None:
         return None
 
 
-# ---- plots ----------------------------------------------------------------------------------
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    """Lay out, write and close a figure."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-    return path
-
-
-def plot_divergence(div: pd.DataFrame, path: Path) -> Path | None:
-    """KL and top-1 agreement at the first generated token against N, a line per job and T,
-    with 95% bootstrap intervals; R_exact dotted."""
-    if div.empty:
-        return None
-    plt = _plt()
-    rep = div[div["mode"].str.startswith("replay=") & (div["step"] == 0)]
-    if rep.empty:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    lengths = sorted(rep["T"].unique())
-    styles = ["-", "--", ":", "-."]
-    for ax, (metric, label) in zip(axes, (("kl", "KL(exact || replay N), first token"),
-                                          ("top1_agree", "top-1 agreement with exact"))):
-        for ci, (job, part) in enumerate(rep[rep["metric"] == metric].groupby("job", sort=False)):
-            for li, length in enumerate(lengths):
-                pts = part[part["T"] == length].sort_values("N")
-                if pts.empty:
-                    continue
-                ax.errorbar(pts["N"], pts["mean"],
-                            yerr=[pts["mean"] - pts["ci_low"], pts["ci_high"] - pts["mean"]],
-                            color=f"C{ci}", ls=styles[li % 4], marker="o", ms=4, capsize=2,
-                            label=f"{job} T={length}")
-            r = part["r_exact"].dropna()
-            if len(r):
-                ax.axvline(float(r.iloc[0]), color=f"C{ci}", ls=":", lw=0.8)
-        ax.set_xscale("log", base=2)
-        if metric == "kl":
-            ax.set_yscale("symlog", linthresh=1e-6)
-            ax.set_ylim(bottom=0)
-        else:
-            ax.set_ylim(-0.03, 1.03)
-        ax.set_xlabel("decoder replay N (dotted: R_exact)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("Divergence of bounded replay from the exact model")
-    return _save(fig, path)
-
-
-def plot_accuracy(suite: pd.DataFrame, info: dict, label: str, path: Path,
-                  max_families: int = 9) -> Path | None:
-    """Accuracy against distance per family (a panel each) for one suite run, a line per
-    single-turn mode (multi-turn policies in the multiturn panel); replay starts (N), window W
-    and R_exact marked."""
-    part = suite[(suite["label"] == label) & (suite["x"].astype(str) != "all")
-                 & (suite["x_name"] == "distance")]
-    if part.empty:
-        return None
-    plt = _plt()
-    families = list(dict.fromkeys(part["family"]))[:max_families]
-    cols = min(3, len(families))
-    rows = math.ceil(len(families) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
-    settings = info[label]["settings"]
-    for ax, family in zip(axes.flat, families):
-        cells = part[part["family"] == family].copy()
-        cells["xv"] = cells["x"].astype(int)
-        modes = list(dict.fromkeys(cells["mode"]))
-        if family != "multiturn":
-            modes = [m for m in modes if "turn=" not in m]
-        elif len(modes) > 8:
-            modes = [m for m in modes if "turn=" not in m or m.endswith("replay=exact")
-                     or f"replay={settings['replays'][-1]}" in m][:10]
-        for i, mode in enumerate(modes):
-            pts = cells[cells["mode"] == mode].sort_values("xv")
-            style = dict(color="black", lw=2, marker="o") if mode == FULL else \
-                dict(color="0.5", ls="--", marker="s") if mode == "replay=exact" else \
-                dict(color=f"C{i % 10}", marker="^" if "turn=" not in mode else ".",
-                     ls="-" if "turn=" not in mode else ":")
-            ax.plot(pts["xv"], pts["accuracy"], label=mode, ms=4, **style)
-        for j, n in enumerate(settings["replays"]):
-            ax.axvline(n, color=f"C{j + 3}", ls="--", lw=0.8, alpha=0.8,
-                       label=f"replay start N={n}")
-        ax.axvline(settings["window"], color="tab:purple", ls=":", lw=1.1,
-                   label=f"W={settings['window']}")
-        if settings.get("r_exact"):
-            ax.axvline(settings["r_exact"], color="tab:brown", ls="-.", lw=1,
-                       label=f"R_exact={settings['r_exact']}")
-        xs = cells["xv"]
-        if len(xs) and xs.min() > 0 and xs.max() / xs.min() > 8:
-            ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_title(family)
-        ax.set_xlabel("distance of the fact from the prompt end (tokens)")
-        ax.set_ylabel("exact match")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=5.5, loc="best", framealpha=0.6)
-    for ax in list(axes.flat)[len(families):]:
-        ax.axis("off")
-    fig.suptitle(f"{label}: accuracy against distance (a fact at distance > N lies before the "
-                 "replay start)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def plot_frontier(cost: pd.DataFrame, path: Path) -> Path | None:
-    """Analytic prefill FLOPs against suite accuracy, a point per (model, mode)."""
-    if cost.empty:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (label, part) in enumerate(cost.groupby("label", sort=False)):
-        part = part.sort_values("prefill_flops")
-        ax.plot(part["prefill_flops"], part["accuracy"], marker="o", color=f"C{i % 10}",
-                label=label)
-        for _, row in part.iterrows():
-            ax.annotate(row["mode"].replace("replay=", "N="), (row["prefill_flops"],
-                        row["accuracy"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    T = int(cost["T"].iloc[0])
-    ax.set_xlabel(f"analytic prefill FLOPs (ced.cost, causal counting) of a {T}-token prompt")
-    ax.set_ylabel("suite accuracy (mean over families)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Cost-quality frontier")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
-def plot_training(runs: dict, path: Path) -> Path | None:
-    """Training loss (and validation loss) against step, a line per job."""
-    runs = {k: v for k, v in runs.items() if not v["metrics"].empty and "loss" in v["metrics"]}
-    if not runs:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (job, run) in enumerate(runs.items()):
-        m = run["metrics"]
-        ax.plot(m["step"], m["loss"], color=f"C{i % 10}", lw=1, alpha=0.8, label=f"{job} train")
-        if "val/loss" in m:
-            v = m.dropna(subset=["val/loss"])
-            ax.plot(v["step"], v["val/loss"], color=f"C{i % 10}", ls="--", marker="o", ms=4,
-                    label=f"{job} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("Training curves")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
 # ---- tables ---------------------------------------------------------------------------------
 
 def training_table(runs: dict) -> pd.DataFrame:
@@ -385,43 +220,96 @@ def divergence_table(div: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def job_of_label(label: str) -> str:
+    """The job a run label belongs to: `<job>/seed<k>[@topk=K]` -> `<job>[@topk=K]`."""
+    return re.sub(r"/seed\d+", "", label)
+
+
+def pooled_single_turn(suite: pd.DataFrame) -> pd.DataFrame:
+    """The suite's accuracy rows pooled over x (x = "all") of single-turn modes."""
+    return suite[(suite["x"].astype(str) == "all") & ~suite["mode"].str.contains("turn=")]
+
+
 def pooled_accuracy(suite: pd.DataFrame) -> pd.DataFrame:
     """Accuracy per family (pooled over x) x mode, per suite label; single-turn modes."""
     if suite.empty:
         return pd.DataFrame()
-    pooled = suite[(suite["x"].astype(str) == "all") & ~suite["mode"].str.contains("turn=")]
-    return pooled.pivot_table(index=["label", "mode"], columns="family", values="accuracy",
-                              sort=False).reset_index()
+    return pooled_single_turn(suite).pivot_table(index=["label", "mode"], columns="family",
+                                                 values="accuracy", sort=False).reset_index()
+
+
+def _spread(job: str, what: str, mode: str, values: pd.Series, seeds: int) -> dict:
+    return {"job": job, "what": what, "mode": mode, "mean": values.mean(),
+            "sd": values.std(ddof=1), "min": values.min(), "max": values.max(), "seeds": seeds}
 
 
 def seed_spread(suite: pd.DataFrame, runs: dict) -> pd.DataFrame:
     """Per job trained with two or more seeds: the pooled suite accuracy per family and mode
     (and the last validation loss) across seeds: mean, standard deviation, min, max, seeds.
     A run label `<job>/seed<k>[@topk=K]` belongs to job `<job>[@topk=K]`."""
-    import re
     rows = []
     if not suite.empty:
-        pooled = suite[(suite["x"].astype(str) == "all") & ~suite["mode"].str.contains("turn=")]
-        pooled = pooled.assign(job=pooled["label"].map(lambda l: re.sub(r"/seed\d+", "", l)))
+        pooled = pooled_single_turn(suite)
+        pooled = pooled.assign(job=pooled["label"].map(job_of_label))
         for (job, family, mode), part in pooled.groupby(["job", "family", "mode"], sort=False):
             if part["label"].nunique() >= 2:
-                acc = part["accuracy"]
-                rows.append({"job": job, "what": f"acc {family}", "mode": mode,
-                             "mean": acc.mean(), "sd": acc.std(ddof=1), "min": acc.min(),
-                             "max": acc.max(), "seeds": part["label"].nunique()})
+                rows.append(_spread(job, f"acc {family}", mode, part["accuracy"],
+                                    part["label"].nunique()))
     losses: dict[str, list[float]] = {}
     for label, run in runs.items():
         m = run["metrics"]
         if "val/loss" in m and m["val/loss"].notna().any():
-            job = re.sub(r"/seed\d+", "", label)
-            losses.setdefault(job, []).append(float(m["val/loss"].dropna().iloc[-1]))
+            last = float(m["val/loss"].dropna().iloc[-1])
+            losses.setdefault(job_of_label(label), []).append(last)
     for job, values in losses.items():
         if len(values) >= 2:
-            v = pd.Series(values)
-            rows.append({"job": job, "what": "val loss", "mode": "", "mean": v.mean(),
-                         "sd": v.std(ddof=1), "min": v.min(), "max": v.max(),
-                         "seeds": len(values)})
+            rows.append(_spread(job, "val loss", "", pd.Series(values), len(values)))
     return pd.DataFrame(rows)
+
+
+def headline_points(suite: pd.DataFrame, info: dict) -> tuple[pd.DataFrame, dict]:
+    """The headline plot's data (evals.plots.headline_figure): per suite run, family and
+    single-turn mode, the pooled accuracy at its replay length N (`replay=exact` at R_exact,
+    NaN for `full`); and per job its window W and R_exact."""
+    rows, marks = [], {}
+    for rec in (pooled_single_turn(suite).to_dict("records") if not suite.empty else []):
+        settings = info[rec["label"]]["settings"]
+        replay = mode_replay(rec["mode"])
+        if replay is False:
+            continue
+        n = settings.get("r_exact") if replay == "exact" else replay
+        job = job_of_label(rec["label"])
+        rows.append({"job": job, "family": rec["family"], "run": rec["label"],
+                     "mode": rec["mode"], "N": math.nan if n is None else n,
+                     "accuracy": rec["accuracy"]})
+        marks[job] = {"W": settings.get("window"), "R_exact": settings.get("r_exact")}
+    return pd.DataFrame(rows), marks
+
+
+def headline_summary(points: pd.DataFrame, marks: dict, div_tab: pd.DataFrame,
+                     drop_tab: pd.DataFrame) -> list[str]:
+    """The report's answer in a few lines: per job, the suite accuracy (mean over families and
+    seeds) of `full` and of every replay length N; per job, the first-token KL at its
+    smallest bounded N; and how many capability drops were found."""
+    lines = []
+    for job, part in (points.groupby("job", sort=False) if not points.empty else []):
+        r_exact = marks.get(job, {}).get("R_exact")
+        by_n = part[part["N"].notna()].groupby("N")["accuracy"].mean()
+        steps = "".join(f"; N={int(n)}{' (R_exact)' if n == r_exact else ''} {value:.2f}"
+                        for n, value in by_n.items())
+        full = part.loc[part["mode"] == FULL, "accuracy"].mean()
+        lines.append(f"{job}: suite accuracy (mean over {part['family'].nunique()} families, "
+                     f"{part['run'].nunique()} seed(s)): full {full:.2f}{steps}.")
+    if not div_tab.empty and "kl" in div_tab:
+        bounded = div_tab[div_tab["mode"].str.match(r"replay=\d+$")]
+        for job, part in bounded.groupby(bounded["job"].map(job_of_label), sort=False):
+            smallest = part[part["N"] == part["N"].min()]
+            lines.append(f"{job}: first-token KL(exact || replay N={int(smallest['N'].iloc[0])})"
+                         f" up to {_fmt(float(smallest['kl'].max()))} (largest over seeds and "
+                         "prompt lengths).")
+    lines.append(f"Capability drops (a mode significantly below full): {len(drop_tab)}"
+                 + (" cells, listed at the end." if len(drop_tab) else "."))
+    return lines
 
 
 def _fmt(value) -> str:
@@ -472,7 +360,225 @@ border-bottom:1px solid #ccc}table{border-collapse:collapse;font-size:12px;margi
 td,th{border:1px solid #ccc;padding:2px 7px;text-align:right}th{background:#eee}
 tr:nth-child(even){background:#f8f8f8}img{max-width:100%;border:1px solid #ddd;margin:.4em 0}
 .failed{color:#b00;font-weight:bold}.ok{color:#070}pre{background:#f4f4f4;padding:.5em;
-overflow-x:auto;font-size:11px}.note{color:#555;font-size:13px}"""
+overflow-x:auto;font-size:11px}.note{color:#555;font-size:13px}details{margin:.6em 0}
+summary{cursor:pointer;color:#333}"""
+
+# The tables written as <name>.csv beside the report.
+CSV_TABLES = ("training", "divergence", "accuracy", "seeds", "cost_quality", "capability_drop")
+
+# (title, text, table, plot section, collapsed in report.html), in the report's order after
+# the summary.
+SECTIONS = [
+    ("Status", "Each step of the study: `ok`, `skipped` (done by an earlier run) or "
+     "`failed` (return code and the last output lines in summary.json).", "status", None, False),
+    ("Training", "Per job: model variant, parameters (ced.cost), steps, final training "
+     "loss, last validation loss and per-task validation accuracy.", "training", "training",
+     False),
+    ("Divergence", "Bounded replay N against the exact model (evals.divergence): KL, top-1 "
+     "agreement at the first generated token, greedy tokens until the first disagreement. "
+     "Exact modes (replay=exact, yoco) sit at float round-off.", "divergence", "divergence",
+     True),
+    ("Accuracy against distance", "Edge-case suite (evals.suites): exact match per family "
+     "(pooled over distances) and mode. Dashed verticals in the plots: replay starts "
+     "(a fact at distance > N lies before it); purple: window W; brown: R_exact.", "accuracy",
+     "accuracy", False),
+    ("Seeds", "Jobs trained with several seeds (study `seeds`): pooled suite accuracy per "
+     "family and mode, and the last validation loss, across seeds (mean, standard "
+     "deviation, min, max). One seed per job: none.", "seeds", None, False),
+    ("Cost-quality frontier", "Analytic prefill FLOPs (ced.cost.prefill_flops, causal "
+     "counting) of each single-turn mode at one prompt length T for every model (the "
+     "longest mean prompt length of the suite runs), and the "
+     "suite accuracy of that mode (mean over families).", "cost_quality", "frontier", False),
+    ("Capability drop", "Cells where a mode is significantly below `full` on the same "
+     "examples (exact McNemar, p < 0.05; Holm-corrected p alongside).", "capability_drop",
+     None, False),
+]
+
+DROP_COLUMNS = ["label", "family", "x", "mode", "n", "acc_full", "acc_mode", "delta", "p",
+                "p_holm"]
+
+
+@dataclass
+class StudyData:
+    """Everything the report reads from a study directory (see the module's docstring)."""
+
+    study: Path
+    status: dict
+    runs: dict
+    div: pd.DataFrame
+    suite: pd.DataFrame
+    drops: pd.DataFrame
+    info: dict
+
+    @classmethod
+    def load(cls, study: Path) -> "StudyData":
+        suite, drops, info = load_suite(study)
+        return cls(study, load_status(study), load_runs(study), load_divergence(study), suite,
+                   drops, info)
+
+    @property
+    def steps(self) -> dict:
+        return self.status.get("steps", {})
+
+    @property
+    def failed(self) -> list[str]:
+        return [k for k, v in self.steps.items() if v.get("state") in ("failed", "refused")]
+
+    @property
+    def name(self) -> str:
+        return self.status.get("study", self.study.name)
+
+
+def status_table(steps: dict) -> pd.DataFrame:
+    """One row per study step: its state, seconds and a one-line detail."""
+    return pd.DataFrame([{"step": k, "state": v.get("state"), "seconds": v.get("seconds"),
+                          "detail": v.get("reason") or v.get("error") or
+                          ((v.get("tail") or "").splitlines() or [""])[-1]}
+                         for k, v in steps.items()])
+
+
+def report_tables(data: StudyData) -> dict[str, pd.DataFrame]:
+    """The report's tables by name (CSV_TABLES, and `status`)."""
+    drops = data.drops
+    return {
+        "status": status_table(data.steps),
+        "training": training_table(data.runs),
+        "divergence": divergence_table(data.div),
+        "accuracy": pooled_accuracy(data.suite),
+        "seeds": seed_spread(data.suite, data.runs),
+        "cost_quality": cost_table(data.study, data.runs, data.suite, data.info),
+        "capability_drop": drops[[c for c in DROP_COLUMNS if c in drops.columns]]
+        if not drops.empty else drops,
+    }
+
+
+def report_plots(data: StudyData, tables: dict, out: Path) -> list[tuple[str, Path, str]]:
+    """Draw and save the report's plots (evals.plots); (section, path, caption) of each, the
+    headline first."""
+    from . import plots as P
+    points, marks = headline_points(data.suite, data.info)
+    figures = [
+        ("summary", P.headline_figure(points, marks), "headline_accuracy_vs_N.png",
+         "Suite accuracy (pooled over distances) against the replay length N, a line per "
+         "family: mean over seeds, band min-max over seeds; dashed: full (the exact model); "
+         "vertical lines: window W (purple) and R_exact (brown)."),
+        ("training", P.training_figure(data.runs), "training_curves.png",
+         "Training (solid) and validation (dashed) loss."),
+        ("divergence", P.divergence_figure(data.div), "divergence_vs_N.png",
+         "KL(exact || replay N) and top-1 agreement at the first generated token against N, "
+         "mean and bootstrap 95% CI over prompts."),
+    ]
+    for label in data.info:
+        figures.append(("accuracy", _suite_accuracy_figure(data, label),
+                        f"accuracy_{file_label(label)}.png",
+                        f"{label}: edge-case suite accuracy against the fact's distance, per "
+                        "family and inference mode."))
+    figures.append(("frontier", P.frontier_figure(tables["cost_quality"]),
+                    "cost_quality_frontier.png",
+                    "Analytic prefill FLOPs of each mode against the suite's mean accuracy."))
+    return [(section, P.save(fig, out / name, dpi=90 if section == "accuracy" else 100,
+                             title_room=section in ("accuracy", "summary", "divergence")),
+             caption) for section, fig, name, caption in figures if fig is not None]
+
+
+def _suite_accuracy_figure(data: StudyData, label: str):
+    """One suite run's accuracy against distance (families swept over distance, at most 9)."""
+    from . import plots as P
+    suite = data.suite
+    part = suite[(suite["label"] == label) & (suite["x_name"] == "distance")]
+    settings = data.info[label]["settings"]
+    return P.accuracy_figure(
+        part, replays=settings["replays"], window=settings["window"],
+        r_exact=settings.get("r_exact"), max_families=9,
+        title=f"{label}: accuracy against distance (a fact at distance > N lies before the "
+              "replay start)")
+
+
+def _header(data: StudyData) -> tuple[list[str], list[str]]:
+    """The title, description and status line, as (markdown, html) lines."""
+    failed, status = data.failed, data.status
+    md = [f"# Study `{data.name}`\n", f"{status.get('description', '')}\n",
+          f"Study directory: `{data.study}`; scale `{status.get('scale', '?')}`. "
+          + (f"**Failed steps: {', '.join(failed)}.**" if failed else "All steps succeeded.")
+          + "\n"]
+    body = [f"<h1>Study <code>{html.escape(data.name)}</code></h1>",
+            f"<p>{html.escape(status.get('description', ''))}</p>",
+            f"<p class='note'>Study directory: <code>{html.escape(str(data.study))}</code>; "
+            f"scale <code>{html.escape(str(status.get('scale', '?')))}</code>. "
+            + (f"<span class='failed'>Failed steps: {html.escape(', '.join(failed))}</span>"
+               if failed else "<span class='ok'>All steps succeeded.</span>") + "</p>"]
+    return md, body
+
+
+def _figures(plots: list, section: str) -> tuple[list[str], list[str]]:
+    """The plots of one section, as (markdown, html) lines; html embeds the PNGs."""
+    md, body = [], []
+    for key, path, caption in plots:
+        if key != section:
+            continue
+        md.append(f"![{caption}]({path.name})\n\n_{caption}_\n")
+        data = base64.b64encode(path.read_bytes()).decode()
+        body.append(f"<figure><img alt='{html.escape(caption)}' "
+                    f"src='data:image/png;base64,{data}'><figcaption class='note'>"
+                    f"{html.escape(caption)}</figcaption></figure>")
+    return md, body
+
+
+def _summary(lines: list[str], plots: list) -> tuple[list[str], list[str]]:
+    """The report's first section: the answer in a few lines, then the headline plot."""
+    md_fig, html_fig = _figures(plots, "summary")
+    md = ["## Summary\n", "\n".join(f"- {line}" for line in lines) + "\n", *md_fig]
+    body = ["<h2>Summary</h2><ul>"
+            + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>", *html_fig]
+    return md, body
+
+
+def _sections(tables: dict, plots: list) -> tuple[list[str], list[str]]:
+    """Every section of SECTIONS with its plots and table, as (markdown, html) lines; a
+    collapsed section's table sits inside <details> in the html."""
+    md, body = [], []
+    for title, text, key, plot_key, collapsed in SECTIONS:
+        table = tables[key]
+        md_fig, html_fig = _figures(plots, plot_key)
+        md += [f"## {title}\n\n{text}\n", *md_fig, to_markdown(table)]
+        body += [f"<h2>{html.escape(title)}</h2><p class='note'>{html.escape(text)}</p>",
+                 *html_fig]
+        if collapsed and not table.empty:
+            body.append(f"<details><summary>{html.escape(title)} table ({len(table)} rows)"
+                        f"</summary>{to_html(table)}</details>")
+        else:
+            body.append(to_html(table))
+    return md, body
+
+
+def _failures(data: StudyData) -> tuple[list[str], list[str]]:
+    """The last output lines of every failed step, as (markdown, html) lines."""
+    md, body = [], []
+    for key in data.failed:
+        step = data.steps[key]
+        tail = step.get("tail") or step.get("error") or step.get("reason") or ""
+        md.append(f"### Failed: {key}\n\n```\n{tail}\n```\n")
+        body.append(f"<h3 class='failed'>Failed: {html.escape(key)}</h3>"
+                    f"<pre>{html.escape(tail)}</pre>")
+    return md, body
+
+
+def write_pages(data: StudyData, tables: dict, plots: list, out: Path) -> Path:
+    """Write report.md and report.html (the summary and headline plot first, then SECTIONS,
+    then the failed steps' output); returns report.html."""
+    points, marks = headline_points(data.suite, data.info)
+    lines = headline_summary(points, marks, tables["divergence"], tables["capability_drop"])
+    md, body = [], []
+    for part_md, part_html in (_header(data), _summary(lines, plots), _sections(tables, plots),
+                               _failures(data)):
+        md += part_md
+        body += part_html
+    (out / "report.md").write_text("\n".join(md))
+    page = ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
+            f"<title>ced study {html.escape(data.name)}</title><style>{CSS}</style></head><body>"
+            + "\n".join(body) + "</body></html>")
+    (out / "report.html").write_text(page)
+    return out / "report.html"
 
 
 def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
@@ -482,134 +588,44 @@ def build_report(study: str | Path, wandb: bool = True, quiet: bool = False,
     study = Path(study).resolve()
     out = study / "report"
     out.mkdir(parents=True, exist_ok=True)
-    status = load_status(study)
-    runs = load_runs(study)
-    div = load_divergence(study)
-    suite, drops, info = load_suite(study)
-    cost = cost_table(study, runs, suite, info)
-    train_tab = training_table(runs)
-    div_tab = divergence_table(div)
-    acc_tab = pooled_accuracy(suite)
-    seed_tab = seed_spread(suite, runs)
-    drop_tab = drops[[c for c in ["label", "family", "x", "mode", "n", "acc_full", "acc_mode",
-                                  "delta", "p", "p_holm"] if c in drops.columns]] \
-        if not drops.empty else drops
-    for name, table in (("training", train_tab), ("divergence", div_tab), ("accuracy", acc_tab),
-                        ("seeds", seed_tab), ("cost_quality", cost),
-                        ("capability_drop", drop_tab)):
-        if not table.empty:
-            table.to_csv(out / f"{name}.csv", index=False)
-
-    plots: list[tuple[str, Path, str]] = []      # (section, path, caption)
-    p = plot_training(runs, out / "training_curves.png")
-    if p:
-        plots.append(("training", p, "Training (solid) and validation (dashed) loss."))
-    p = plot_divergence(div, out / "divergence_vs_N.png")
-    if p:
-        plots.append(("divergence", p, "KL(exact || replay N) and top-1 agreement at the "
-                      "first generated token against N, mean and bootstrap 95% CI over prompts."))
-    for label in info:
-        p = plot_accuracy(suite, info, label, out / f"accuracy_{file_label(label)}.png")
-        if p:
-            plots.append(("accuracy", p, f"{label}: edge-case suite accuracy against the fact's "
-                          "distance, per family and inference mode."))
-    p = plot_frontier(cost, out / "cost_quality_frontier.png")
-    if p:
-        plots.append(("frontier", p, "Analytic prefill FLOPs of each mode against the suite's "
-                      "mean accuracy."))
-
-    steps = status.get("steps", {})
-    failed = [k for k, v in steps.items() if v.get("state") in ("failed", "refused")]
-    status_tab = pd.DataFrame([{"step": k, "state": v.get("state"),
-                                "seconds": v.get("seconds"),
-                                "detail": v.get("reason") or v.get("error") or
-                                ((v.get("tail") or "").splitlines() or [""])[-1]}
-                               for k, v in steps.items()])
-    name = status.get("study", study.name)
-    sections = [
-        ("Status", "Each step of the study: `ok`, `skipped` (done by an earlier run) or "
-         "`failed` (return code and the last output lines in summary.json).", status_tab,
-         None),
-        ("Training", "Per job: model variant, parameters (ced.cost), steps, final training "
-         "loss, last validation loss and per-task validation accuracy.", train_tab, "training"),
-        ("Divergence", "Bounded replay N against the exact model (evals.divergence): KL, top-1 "
-         "agreement at the first generated token, greedy tokens until the first disagreement. "
-         "Exact modes (replay=exact, yoco) sit at float round-off.", div_tab, "divergence"),
-        ("Accuracy against distance", "Edge-case suite (evals.suites): exact match per family "
-         "(pooled over distances) and mode. Dashed verticals in the plots: replay starts "
-         "(a fact at distance > N lies before it); purple: window W; brown: R_exact.", acc_tab,
-         "accuracy"),
-        ("Seeds", "Jobs trained with several seeds (study `seeds`): pooled suite accuracy per "
-         "family and mode, and the last validation loss, across seeds (mean, standard "
-         "deviation, min, max). One seed per job: none.", seed_tab, None),
-        ("Cost-quality frontier", "Analytic prefill FLOPs (ced.cost.prefill_flops, causal "
-         "counting) of each single-turn mode at one prompt length T for every model (the "
-         "longest mean prompt length of the suite runs), and the "
-         "suite accuracy of that mode (mean over families).", cost, "frontier"),
-        ("Capability drop", "Cells where a mode is significantly below `full` on the same "
-         "examples (exact McNemar, p < 0.05; Holm-corrected p alongside).", drop_tab, None),
-    ]
-    md = [f"# Study `{name}`\n", f"{status.get('description', '')}\n",
-          f"Study directory: `{study}`; scale `{status.get('scale', '?')}`. "
-          + (f"**Failed steps: {', '.join(failed)}.**" if failed else "All steps succeeded.")
-          + "\n"]
-    body = [f"<h1>Study <code>{html.escape(name)}</code></h1>",
-            f"<p>{html.escape(status.get('description', ''))}</p>",
-            f"<p class='note'>Study directory: <code>{html.escape(str(study))}</code>; scale "
-            f"<code>{html.escape(str(status.get('scale', '?')))}</code>. "
-            + (f"<span class='failed'>Failed steps: {html.escape(', '.join(failed))}</span>"
-               if failed else "<span class='ok'>All steps succeeded.</span>") + "</p>"]
-    for title, text, table, plot_key in sections:
-        md.append(f"## {title}\n\n{text}\n")
-        body.append(f"<h2>{html.escape(title)}</h2><p class='note'>{html.escape(text)}</p>")
-        for section, path, caption in plots:
-            if section == plot_key:
-                md.append(f"![{caption}]({path.name})\n\n_{caption}_\n")
-                data = base64.b64encode(path.read_bytes()).decode()
-                body.append(f"<figure><img alt='{html.escape(caption)}' "
-                            f"src='data:image/png;base64,{data}'><figcaption class='note'>"
-                            f"{html.escape(caption)}</figcaption></figure>")
-        md.append(to_markdown(table))
-        body.append(to_html(table))
-    for key in failed:
-        tail = (steps[key].get("tail") or steps[key].get("error")
-                or steps[key].get("reason") or "")
-        md.append(f"### Failed: {key}\n\n```\n{tail}\n```\n")
-        body.append(f"<h3 class='failed'>Failed: {html.escape(key)}</h3>"
-                    f"<pre>{html.escape(tail)}</pre>")
-    (out / "report.md").write_text("\n".join(md))
-    page = ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
-            f"<title>ced study {html.escape(name)}</title><style>{CSS}</style></head><body>"
-            + "\n".join(body) + "</body></html>")
-    (out / "report.html").write_text(page)
+    data = StudyData.load(study)
+    tables = report_tables(data)
+    for name in CSV_TABLES:
+        if not tables[name].empty:
+            tables[name].to_csv(out / f"{name}.csv", index=False)
+    plots = report_plots(data, tables, out)
+    page = write_pages(data, tables, plots, out)
     if wandb:
         try:
-            _log_wandb(group or name, out, plots,
-                       {"training": train_tab, "divergence": div_tab, "accuracy": acc_tab,
-                        "seeds": seed_tab, "cost_quality": cost, "capability_drop": drop_tab},
-                       config={"study_dir": str(study), **status}, project=project,
-                       name=f"{name}-report", scalars=report_scalars(suite, div, seed_tab))
+            _log_wandb(group or data.name, out, plots,
+                       {name: tables[name] for name in CSV_TABLES},
+                       config={"study_dir": str(study), **data.status}, project=project,
+                       name=f"{data.name}-report",
+                       scalars=report_scalars(data.suite, data.div, tables["seeds"]))
         except Exception as exc:     # wandb is a copy of the report; never fail it
             print(f"[report] wandb logging skipped: {exc}", file=sys.stderr)
     if not quiet:
-        print(f"[report] wrote {out / 'report.md'}, {out / 'report.html'} and "
-              f"{len(plots)} plots", flush=True)
-    return out / "report.html"
+        print(f"[report] wrote {out / 'report.md'}, {page} and {len(plots)} plots", flush=True)
+    return page
 
 
 def report_scalars(suite: pd.DataFrame, div: pd.DataFrame, seeds: pd.DataFrame) -> dict:
-    """The report's numbers as flat scalars: pooled accuracy `acc/<run>/<family>/<mode>`,
-    first-token KL `kl/<run>/T=<T>/<mode>`, and across seeds `seeds/<job>/<what>/<mode>/mean`
-    and `.../sd`."""
+    """The report's numbers as flat scalars: pooled accuracy `acc/<run>/<family>/<mode>`
+    (evals.suites' `suite_scalars` per run), first-token KL `kl/<run>/T=<T>/<mode>` (from
+    evals.divergence's `divergence_scalars`), and across seeds
+    `seeds/<job>/<what>/<mode>/mean` and `.../sd`."""
+    from evals.divergence import divergence_scalars
+    from evals.suites.runner import suite_scalars
     out = {}
     if not suite.empty:
         pooled = suite[suite["x"].astype(str) == "all"]
-        for row in pooled.itertuples():
-            out[f"acc/{row.label}/{row.family}/{row.mode}"] = row.accuracy
+        for label, part in pooled.groupby("label", sort=False):
+            for key, value in suite_scalars(part.to_dict("records")).items():
+                out[f"acc/{label}/{key.removeprefix('acc/')}"] = value
     if not div.empty:
-        first = div[(div["step"] == 0) & (div["metric"] == "kl")]
-        for row in first.itertuples():
-            out[f"kl/{row.job}/T={row.T}/{row.mode}"] = row.mean
+        out.update({key: value for key, value in
+                    divergence_scalars(div.to_dict("records")).items()
+                    if key.startswith("kl/")})
     for row in seeds.itertuples():
         key = f"seeds/{row.job}/{row.what.replace(' ', '_')}/{row.mode or 'all'}"
         out[f"{key}/mean"], out[f"{key}/sd"] = row.mean, row.sd

@@ -16,9 +16,10 @@
 # # Analysis of a `ced` study
 #
 # Loads the outputs of one study (`python -m experiments.run study=<name>`, or `make demo`)
-# from its directory and reproduces the report's key plots: divergence of bounded replay
-# against N per variant, accuracy against distance per family and inference mode, the
-# cost-quality frontier and the training curves.
+# from its directory and reproduces the report's key plots with the report's own plotting
+# functions (`evals.plots`): the headline (accuracy against N per family, seeds as bands),
+# divergence of bounded replay against N per variant, accuracy against distance per family
+# and inference mode, the cost-quality frontier and the training curves.
 #
 # Set the study directory below or through the `CED_STUDY_DIR` environment variable.
 # This file is paired with `analysis.ipynb` by jupytext: edit either, then
@@ -32,11 +33,12 @@ STUDY_DIR = os.environ.get("CED_STUDY_DIR", "../outputs/studies/demo")
 SAVE_DIR = os.environ.get("CED_NOTEBOOK_OUT", "")   # if set, the figures are saved there too
 
 # %%
-import json
+from io import BytesIO
 
-import matplotlib.pyplot as plt
 import pandas as pd
+from IPython.display import Image, display
 
+from evals import plots as P
 from evals import report as R
 
 study = Path(STUDY_DIR).expanduser().resolve()
@@ -44,14 +46,17 @@ saved = []
 
 
 def show(fig, name):
-    """Display a figure and, if SAVE_DIR is set, save it as SAVE_DIR/<name>.png."""
+    """Display a figure of evals.plots and, if SAVE_DIR is set, save it as
+    SAVE_DIR/<name>.png."""
+    if fig is None:
+        print(f"{name}: nothing to plot")
+        return
     if SAVE_DIR:
         Path(SAVE_DIR).mkdir(parents=True, exist_ok=True)
-        path = Path(SAVE_DIR) / f"{name}.png"
-        fig.savefig(path, dpi=80)
-        saved.append(path)
-    plt.show()
-    plt.close(fig)
+        saved.append(P.save(fig, Path(SAVE_DIR) / f"{name}.png", dpi=80))
+    png = BytesIO()
+    fig.savefig(png, format="png", dpi=80, bbox_inches="tight")
+    display(Image(png.getvalue()))
 
 
 status = R.load_status(study)
@@ -60,24 +65,24 @@ pd.DataFrame([{"step": k, **{c: v.get(c) for c in ("state", "seconds", "returnco
               for k, v in status.get("steps", {}).items()])
 
 # %% [markdown]
+# ## The answer: accuracy against the replay length N
+# Suite accuracy pooled over distances, a panel per job and a line per family (mean over seeds,
+# band min-max over seeds), the window W and R_exact marked: the report's headline plot.
+
+# %%
+runs = R.load_runs(study)
+suite, drops, info = R.load_suite(study)
+points, marks = R.headline_points(suite, info)
+show(P.headline_figure(points, marks), "headline_accuracy_vs_N")
+pd.DataFrame({"summary": R.headline_summary(
+    points, marks, R.divergence_table(R.load_divergence(study)), drops)})
+
+# %% [markdown]
 # ## Training curves
 # `runs/<job>/seed<k>/metrics.jsonl`: one line per step, validation loss every `train.eval_every`.
 
 # %%
-runs = R.load_runs(study)
-fig, ax = plt.subplots(figsize=(7, 4))
-for i, (job, run) in enumerate(runs.items()):
-    m = run["metrics"]
-    if m.empty:
-        continue
-    ax.plot(m["step"], m["loss"], color=f"C{i}", label=f"{job} train")
-    if "val/loss" in m:
-        v = m.dropna(subset=["val/loss"])
-        ax.plot(v["step"], v["val/loss"], "o--", color=f"C{i}", label=f"{job} validation")
-ax.set_xlabel("step")
-ax.set_ylabel("loss (nats/token)")
-ax.legend(fontsize=7)
-show(fig, "training_curves")
+show(P.training_figure(runs), "training_curves")
 R.training_table(runs)
 
 # %% [markdown]
@@ -87,25 +92,8 @@ R.training_table(runs)
 
 # %%
 div = R.load_divergence(study)
-if div.empty:
-    print("no divergence results in this study")
-else:
-    first = div[div["mode"].str.startswith("replay=") & (div["step"] == 0)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric in zip(axes, ["kl", "top1_agree"]):
-        for (job, length), part in first[first["metric"] == metric].groupby(["job", "T"]):
-            part = part.sort_values("N")
-            ax.errorbar(part["N"], part["mean"],
-                        yerr=[part["mean"] - part["ci_low"], part["ci_high"] - part["mean"]],
-                        marker="o", capsize=2, label=f"{job} T={length}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("replay N")
-        ax.set_ylabel(metric)
-        if metric == "kl":
-            ax.set_yscale("symlog", linthresh=1e-6)
-        ax.legend(fontsize=7)
-    show(fig, "divergence_vs_N")
-    print(R.divergence_table(div).to_string(max_rows=40))
+show(P.divergence_figure(div), "divergence_vs_N")
+print(R.divergence_table(div).to_string(max_rows=40) if not div.empty else "no divergence")
 
 # %% [markdown]
 # ## Accuracy against distance (edge-case suite)
@@ -113,29 +101,12 @@ else:
 # window and R_exact of the run (dashed: replay starts; a fact at distance > N lies before it).
 
 # %%
-suite, drops, info = R.load_suite(study)
 for label, run_info in info.items():
-    part = suite[(suite["label"] == label) & (suite["x"].astype(str) != "all")
-                 & (suite["x_name"] == "distance") & ~suite["mode"].str.contains("turn=")]
-    families = list(dict.fromkeys(part["family"]))[:3]
-    if not families:
-        continue
     s = run_info["settings"]
-    fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 3.5), squeeze=False)
-    for ax, family in zip(axes[0], families):
-        cells = part[part["family"] == family].copy()
-        cells["xv"] = cells["x"].astype(int)
-        for mode, pts in cells.groupby("mode", sort=False):
-            ax.plot(pts.sort_values("xv")["xv"], pts.sort_values("xv")["accuracy"], marker="o",
-                    label=mode)
-        for n in s["replays"]:
-            ax.axvline(n, ls="--", color="grey", lw=0.8)
-        ax.axvline(s["window"], ls=":", color="purple", label=f"W={s['window']}")
-        ax.set_title(f"{label}: {family}")
-        ax.set_xlabel("distance")
-        ax.set_ylim(-0.05, 1.05)
-        ax.legend(fontsize=6)
-    show(fig, f"accuracy_{R.file_label(label)}")
+    part = suite[(suite["label"] == label) & (suite["x_name"] == "distance")]
+    show(P.accuracy_figure(part, replays=s["replays"], window=s["window"],
+                           r_exact=s.get("r_exact"), title=label, max_families=3),
+         f"accuracy_{R.file_label(label)}")
 R.pooled_accuracy(suite)
 
 # %% [markdown]
@@ -145,16 +116,7 @@ R.pooled_accuracy(suite)
 
 # %%
 cost = R.cost_table(study, runs, suite, info)
-if not cost.empty:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, part in cost.groupby("label", sort=False):
-        part = part.sort_values("prefill_flops")
-        ax.plot(part["prefill_flops"], part["accuracy"], marker="o", label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("prefill FLOPs")
-    ax.set_ylabel("accuracy")
-    ax.legend(fontsize=7)
-    show(fig, "cost_quality_frontier")
+show(P.frontier_figure(cost), "cost_quality_frontier")
 cost
 
 # %% [markdown]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -277,68 +276,16 @@ DROP_FIELDS = ["family", "x_name", "x", "mode", "n", "acc_full", "acc_mode", "de
                "full_only", "mode_only", "p_value", "p_holm", "significant"]
 
 
-def plot(summary: list[dict], settings: SuiteSettings, path: Path, title: str = "") -> Path:
-    """Accuracy vs x per family (one panel each), a line per mode with its 95% CI band, the
-    replay lengths N, window W and R_exact marked, the chance level dotted."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    families = list(dict.fromkeys(s["family"] for s in summary))
-    cols = min(3, max(1, len(families)))
-    rows_n = math.ceil(len(families) / cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4.2 * rows_n), squeeze=False)
-    marks = settings.marks()
-    n_colors = plt.get_cmap("tab10")
-    replay_color = {n: n_colors(i % 10) for i, n in enumerate(settings.replays)}
-    for ax, family in zip(axes.flat, families):
-        cells = [s for s in summary if s["family"] == family and s["x"] != "all"]
-        modes = list(dict.fromkeys(s["mode"] for s in cells))
-        many = len(modes) > 6
-        for i, mode in enumerate(modes):
-            pts = sorted((s for s in cells if s["mode"] == mode), key=lambda s: s["x"])
-            xs = [s["x"] for s in pts]
-            ys = [s["accuracy"] for s in pts]
-            parsed = parse_mode(mode)
-            if mode == FULL:
-                style = dict(color="black", lw=2.2, marker="o", zorder=5)
-            elif parsed.replay == "exact" and parsed.turn is None:
-                style = dict(color="0.5", lw=1.5, ls="--", marker="s")
-            elif parsed.turn is None:
-                style = dict(color=replay_color.get(parsed.replay, "C9"), lw=1.6, marker="^")
-            else:
-                style = dict(color=plt.get_cmap("tab20")(i % 20), lw=1.0, marker=".",
-                             ls=[":", "-.", "--", "-"][POLICIES.index(parsed.policy) % 4])
-            ax.plot(xs, ys, label=mode, **style)
-            if not many or parsed.turn is None:
-                ax.fill_between(xs, [s["ci_low"] for s in pts], [s["ci_high"] for s in pts],
-                                color=style["color"], alpha=0.08)
-        chance = [s["chance"] for s in cells if s["chance"] != ""]
-        if chance:
-            ax.axhline(sum(chance) / len(chance), color="0.6", ls=":", lw=1, label="chance")
-        for n in marks["N"]:
-            ax.axvline(n, color=replay_color[n], ls="--", lw=0.9, alpha=0.8, label=f"N={n}")
-        ax.axvline(marks["W"][0], color="tab:purple", ls=":", lw=1.1, label=f"W={marks['W'][0]}")
-        for r in marks.get("R_exact", []):
-            ax.axvline(r, color="tab:brown", ls="-.", lw=1.0, label=f"R_exact={r}")
-        xs_all = [s["x"] for s in cells]
-        if xs_all and min(xs_all) > 0 and max(xs_all) / min(xs_all) > 8:
-            ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_title(family)
-        ax.set_xlabel(cells[0]["x_name"] + (" (tokens from the end)"
-                                            if cells[0]["x_name"] == "distance" else " T"))
-        ax.set_ylabel("exact match")
-        ax.legend(fontsize=5.5 if many else 6.5, ncol=2 if many else 1, loc="best",
-                  framealpha=0.6)
-    for ax in list(axes.flat)[len(families):]:
-        ax.axis("off")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 0.97) if title else None)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def plot(summary: list[dict], settings: SuiteSettings, path: Path,
+         title: str = "") -> Path | None:
+    """Write the run's accuracy figure (evals.plots.accuracy_figure): accuracy against x per
+    family, a line per mode with its 95% CI band, N, W and R_exact marked, chance dotted."""
+    from evals import plots
+    fig = plots.accuracy_figure(summary, replays=settings.replays, window=settings.window,
+                                r_exact=settings.r_exact, title=title)
+    if fig is None:
+        return None
+    return plots.save(fig, path, dpi=110, title_room=bool(title))
 
 
 def format_table(summary: list[dict], drops: list[dict], width: int = 9) -> str:
@@ -420,10 +367,10 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
     paths["summary_json"].write_text(json.dumps(
         {"run": run_info, "summary": summary, "capability_drop": drops}, indent=1,
         default=str))
-    if make_plot:
-        paths["plot"] = plot(summary, settings, out / "accuracy.png",
-                             title=f"{Path(checkpoint).name}: {cfg.variant}, W={cfg.window}, "
-                                   f"R_exact={settings.r_exact}")
+    if make_plot and (figure := plot(summary, settings, out / "accuracy.png",
+                                     title=f"{Path(checkpoint).name}: {cfg.variant}, "
+                                           f"W={cfg.window}, R_exact={settings.r_exact}")):
+        paths["plot"] = figure
     if wandb:
         _log_wandb(wandb_project, run_info, summary, drops, paths, out, group=wandb_group)
     for w in warnings:

@@ -65,8 +65,13 @@ def test_report_has_every_section_and_embedded_plots(tiny_study):
                 "cost_quality_frontier"):
         assert (report / f"{png}.png").stat().st_size > 1000
         assert f"({png}.png)" in md
+    # the answer first: the summary and the headline plot, before the sections
+    assert (report / "headline_accuracy_vs_N.png").stat().st_size > 1000
+    assert md.index("## Summary") < md.index("(headline_accuracy_vs_N.png)") < md.index("## Status")
+    assert page.index("<h2>Summary</h2>") < page.index("<img") < page.index("<h2>Status</h2>")
+    assert "<details><summary>Divergence table" in page
     # self-contained: every image is inline
-    assert page.count("src='data:image/png;base64,") == 5
+    assert page.count("src='data:image/png;base64,") == 6
     assert ".png'" not in page
     cost = (report / "cost_quality.csv").read_text()
     assert "prefill_flops" in cost and "replay=exact" in cost

@@ -304,7 +304,7 @@ def test_the_report_reads_a_run_whose_last_metrics_line_is_half_written(tmp_path
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert load_runs(tmp_path / "study")["job"]["metrics"]["step"].tolist() == [1]
     (run / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
-    with pytest.raises(ValueError, match="metrics.jsonl: line 1 is not JSON"):
+    with pytest.raises(ValueError, match="metrics.jsonl: line 1 is not a JSON record"):
         load_runs(tmp_path / "study")
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from evals.report import file_label, job_of_checkpoint, seed_spread
+from ced.tracking import checkpoint_label
+from evals.report import file_label, seed_spread
 
 
 def test_labels_keep_seeds_apart():
-    assert job_of_checkpoint("/s/runs/ced/seed1/final") == "ced/seed1"
-    assert job_of_checkpoint("/s/runs/ced/final") == "ced"
+    assert checkpoint_label("/s/runs/ced/seed1/final") == "ced/seed1"
+    assert checkpoint_label("/s/runs/ced/final") == "ced"
     assert file_label("ced/seed1@topk=4") == "ced_seed1_topk=4"
 
 

@@ -1,0 +1,324 @@
+"""Every figure of the harness, one function each: data in, a matplotlib `Figure` out (None when
+there is nothing to draw); `save` lays a figure out and writes it as a PNG.
+
+The figures are plain `matplotlib.figure.Figure` objects, made without pyplot: no backend is
+needed (the command-line tools run headless) and nothing is left open in pyplot's registry.
+
+Used by `evals.divergence` (kl_vs_replay.png, top1_agree_vs_replay.png,
+layer_error_by_offset.png), `evals.suites.runner` (accuracy.png), `evals.report` (every plot of
+report.html) and notebooks/analysis.py.
+
+    from evals import plots
+    fig = plots.divergence_figure(summary)          # summary.json of evals.divergence
+    plots.save(fig, "divergence_vs_N.png")
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+FULL = "full"
+DIVERGENCE_METRICS = {"kl": "KL(exact || replay N), first token",
+                      "top1_agree": "top-1 agreement with exact"}
+_T_STYLES = ["-", "--", ":", "-."]
+
+
+def save(fig: Figure, path: str | Path, dpi: int = 100, title_room: bool = False) -> Path:
+    """Lay `fig` out (leaving room for a suptitle if `title_room`) and write it as a PNG."""
+    fig.tight_layout(rect=(0, 0, 1, 0.96) if title_room else None)
+    fig.savefig(path, dpi=dpi)
+    return Path(path)
+
+
+def _grid(panels: int, width: float, height: float, max_cols: int = 3):
+    """A figure with `panels` axes in rows of at most `max_cols` (unused axes hidden)."""
+    cols = min(max_cols, max(1, panels))
+    rows = math.ceil(panels / cols)
+    fig = Figure(figsize=(width * cols, height * rows))
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+    for ax in axes[panels:]:
+        ax.axis("off")
+    return fig, axes[:panels]
+
+
+def _log2_if_wide(ax, xs: Iterable[float]) -> None:
+    xs = [float(x) for x in xs]
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 8:
+        ax.set_xscale("log", base=2)
+
+
+# ---- divergence ------------------------------------------------------------------------------
+
+def divergence_figure(summary: pd.DataFrame | Sequence[Mapping],
+                      metrics: Sequence[str] = ("kl", "top1_agree"),
+                      title: str | None = "Divergence of bounded replay from the exact model",
+                      ) -> Figure | None:
+    """Divergence of bounded replay against N at the first generated token: a panel per metric
+    (`kl`, `top1_agree`), a line per run (colour) and prompt length T (line style) with the
+    bootstrap 95% interval as error bars, the run's R_exact dotted.
+
+    summary: evals.divergence's summary.json rows (or the report's DataFrame of them): columns
+    checkpoint, T, mode, N, metric, step, mean, ci_low, ci_high, r_exact. Modes other than
+    `replay=...` (`replay=exact` sits at N = R_exact) and steps other than 0 are ignored. None
+    if no row is left."""
+    from ced.tracking import checkpoint_label
+    table = pd.DataFrame(summary)
+    if table.empty:
+        return None
+    rep = table[table["mode"].str.startswith("replay=") & (table["step"] == 0)]
+    if rep.empty:
+        return None
+    rep = rep.assign(run=rep["checkpoint"].map(checkpoint_label))
+    fig, axes = _grid(len(metrics), 5.5, 4, max_cols=len(metrics))
+    for ax, metric in zip(axes, metrics):
+        _divergence_panel(ax, rep[rep["metric"] == metric], sorted(rep["T"].unique()))
+        if metric == "kl":
+            ax.set_yscale("symlog", linthresh=1e-8)
+            ax.set_ylim(bottom=0)
+        else:
+            ax.set_ylim(-0.03, 1.03)
+        ax.set_ylabel(DIVERGENCE_METRICS.get(metric, metric))
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _divergence_panel(ax, rows: pd.DataFrame, lengths: list) -> None:
+    for ci, (run, part) in enumerate(rows.groupby("run", sort=False)):
+        for li, length in enumerate(lengths):
+            pts = part[part["T"] == length].sort_values("N")
+            if pts.empty:
+                continue
+            ax.errorbar(pts["N"], pts["mean"],
+                        yerr=[pts["mean"] - pts["ci_low"], pts["ci_high"] - pts["mean"]],
+                        color=f"C{ci % 10}", ls=_T_STYLES[li % 4], marker="o", ms=4, capsize=2,
+                        label=f"{run} T={length}")
+        r_exact = part["r_exact"].dropna()
+        if len(r_exact):
+            ax.axvline(float(r_exact.iloc[0]), color=f"C{ci % 10}", ls=":", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decoder replay N (dotted: R_exact)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def layer_error_figure(table: pd.DataFrame) -> Figure | None:
+    """Per decoder layer, the relative L2 error of the replayed hidden states (solid) and window
+    K/V (dashed) against the exact model, by offset inside the replay segment, at the longest
+    bounded replay N (it shows the most offsets).
+
+    table: evals.divergence's tidy rows (columns metric, layer, offset, N, value); None without
+    `hidden_rel_l2` / `kv_rel_l2` rows."""
+    rows = table[table["metric"].isin(["hidden_rel_l2", "kv_rel_l2"])] if len(table) else table
+    if not len(rows):
+        return None
+    longest = rows[rows["N"] == rows["N"].max()]
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    for (metric, layer), part in longest.groupby(["metric", "layer"]):
+        curve = part.groupby("offset")["value"].mean()
+        style = "-" if metric == "hidden_rel_l2" else "--"
+        what = "hidden state" if metric == "hidden_rel_l2" else "window K/V"
+        ax.plot(curve.index, curve.values, style, marker=".",
+                label=f"decoder layer {int(layer)}: {what}")
+    if (longest["value"] > 0).any():       # exact replay (yoco) errs by exactly zero
+        ax.set_yscale("log")
+    ax.set_xlabel(f"offset inside the replay segment (N={int(longest['N'].iloc[0])}; "
+                  "0 = replay start)")
+    ax.set_ylabel("relative L2 error vs the exact model")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+# ---- accuracy against distance -----------------------------------------------------------------
+
+def accuracy_figure(summary: pd.DataFrame | Sequence[Mapping], *, replays: Sequence[int],
+                    window: int, r_exact: int | None = None, title: str = "",
+                    max_families: int | None = None) -> Figure | None:
+    """Edge-case suite accuracy against x (a fact's distance from the prompt's end, or the
+    prompt length) per family, a panel each: a line per inference mode with its 95% Wilson band
+    (black: `full`, the exact model; grey dashed: `replay=exact`), the chance level dotted, and
+    vertical lines at the replay starts N (dashed), the window W (purple) and R_exact (brown).
+
+    summary: evals.suites' summary rows (columns family, x_name, x, mode, accuracy, ci_low,
+    ci_high, chance); rows pooled over x (x = "all") are skipped. replays, window, r_exact: the
+    run's settings (SuiteSettings, or its `settings` in summary.json). None if nothing is left."""
+    cells = [dict(s) for s in pd.DataFrame(summary).to_dict("records") if str(s["x"]) != "all"]
+    families = list(dict.fromkeys(s["family"] for s in cells))[:max_families]
+    if not families:
+        return None
+    fig, axes = _grid(len(families), 6, 4.2)
+    colors = {n: f"C{i % 10}" for i, n in enumerate(replays)}
+    for ax, family in zip(axes, families):
+        part = [s for s in cells if s["family"] == family]
+        many = _accuracy_panel(ax, part, colors)
+        _mark_geometry(ax, replays, window, r_exact, colors)
+        _log2_if_wide(ax, [s["x"] for s in part])
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(family)
+        x_name = part[0]["x_name"]
+        ax.set_xlabel(x_name + (" (tokens from the end)" if x_name == "distance" else " T"))
+        ax.set_ylabel("exact match")
+        ax.legend(fontsize=5.5 if many else 6.5, ncol=2 if many else 1, loc="best",
+                  framealpha=0.6)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _mode_style(mode: str, index: int, colors: Mapping[int, str]) -> dict:
+    from ced.inference import POLICIES
+    from evals.modes import parse_mode
+    parsed = parse_mode(mode)
+    if mode == FULL:
+        return dict(color="black", lw=2.2, marker="o", zorder=5)
+    if parsed.replay == "exact" and parsed.turn is None:
+        return dict(color="0.5", lw=1.5, ls="--", marker="s")
+    if parsed.turn is None:
+        return dict(color=colors.get(parsed.replay, "C9"), lw=1.6, marker="^")
+    return dict(color=f"C{index % 10}", lw=1.0, marker=".",
+                ls=[":", "-.", "--", "-"][POLICIES.index(parsed.policy) % 4])
+
+
+def _accuracy_panel(ax, cells: list[dict], colors: Mapping[int, str]) -> bool:
+    """A line (and, unless there are many multi-turn modes, a band) per mode; returns whether
+    the panel has many modes (a smaller legend)."""
+    modes = list(dict.fromkeys(s["mode"] for s in cells))
+    many = len(modes) > 6
+    for i, mode in enumerate(modes):
+        pts = sorted((s for s in cells if s["mode"] == mode), key=lambda s: float(s["x"]))
+        xs = [float(s["x"]) for s in pts]
+        style = _mode_style(mode, i, colors)
+        ax.plot(xs, [s["accuracy"] for s in pts], label=mode, **style)
+        if not many or "turn=" not in mode:
+            ax.fill_between(xs, [s["ci_low"] for s in pts], [s["ci_high"] for s in pts],
+                            color=style["color"], alpha=0.08)
+    chance = [s["chance"] for s in cells if s.get("chance") not in ("", None)
+              and s["chance"] == s["chance"]]
+    if chance:
+        ax.axhline(sum(chance) / len(chance), color="0.6", ls=":", lw=1, label="chance")
+    return many
+
+
+def _mark_geometry(ax, replays: Sequence[int], window: int, r_exact: int | None,
+                   colors: Mapping[int, str]) -> None:
+    """Vertical lines: replay starts N (dashed), window W (purple), R_exact (brown)."""
+    for n in replays:
+        ax.axvline(n, color=colors[n], ls="--", lw=0.9, alpha=0.8, label=f"N={n}")
+    ax.axvline(window, color="tab:purple", ls=":", lw=1.1, label=f"W={window}")
+    if r_exact:
+        ax.axvline(r_exact, color="tab:brown", ls="-.", lw=1.0, label=f"R_exact={r_exact}")
+
+
+# ---- the study report ------------------------------------------------------------------------
+
+def headline_figure(points: pd.DataFrame, marks: Mapping[str, Mapping[str, int | None]],
+                    ) -> Figure | None:
+    """The report's answer first: suite accuracy (pooled over distances) against the decoder
+    replay length N, a panel per job and a line per family (the mean over the job's seeds);
+    with two or more seeds a band from the lowest to the highest seed; the exact model's
+    accuracy (`full`) a thin dashed level in the family's colour; vertical lines at the
+    window W (purple, dotted) and R_exact (brown, dash-dot).
+
+    points: columns job, family, run (the seed's run label), mode, N (the replay length;
+    `replay=exact` at N = R_exact; NaN for `full`), accuracy. marks: job -> {"W", "R_exact"}.
+    None if no job has a bounded-replay point."""
+    if points is None or points.empty or points["N"].notna().sum() == 0:
+        return None
+    jobs = [j for j in dict.fromkeys(points["job"])
+            if points.loc[points["job"] == j, "N"].notna().any()]
+    colors = {f: f"C{i % 10}" for i, f in enumerate(dict.fromkeys(points["family"]))}
+    fig, axes = _grid(len(jobs), 5.5, 4)
+    for ax, job in zip(axes, jobs):
+        part = points[points["job"] == job]
+        seeds = part["run"].nunique()
+        for family, rows in part.groupby("family", sort=False):
+            _headline_family(ax, family, rows, colors[family], band=seeds >= 2)
+        mark = marks.get(job, {})
+        if mark.get("W"):
+            ax.axvline(mark["W"], color="tab:purple", ls=":", lw=1.2, label=f"W={mark['W']}")
+        if mark.get("R_exact"):
+            ax.axvline(mark["R_exact"], color="tab:brown", ls="-.", lw=1.2,
+                       label=f"R_exact={mark['R_exact']}")
+        ns = sorted(part["N"].dropna().unique())
+        _log2_if_wide(ax, ns)
+        ax.set_xticks(ns, [str(int(n)) for n in ns])
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(f"{job} ({seeds} seed{'s' if seeds != 1 else ''})")
+        ax.set_xlabel("decoder replay N")
+        ax.set_ylabel("suite accuracy (pooled over distances)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="best", framealpha=0.6)
+    fig.suptitle("Suite accuracy against the replay length N\n(dashed: full, the exact model; "
+                 "band: min-max over seeds)", fontsize=9)
+    return fig
+
+
+def _headline_family(ax, family: str, rows: pd.DataFrame, color: str, band: bool) -> None:
+    """One family's line (mean over seeds against N), its min-max band, its `full` level."""
+    replay = rows[rows["N"].notna()].groupby("N")["accuracy"].agg(["mean", "min", "max"])
+    if len(replay):
+        ax.plot(replay.index, replay["mean"], color=color, marker="o", ms=4, label=family)
+        if band:
+            ax.fill_between(replay.index, replay["min"], replay["max"], color=color,
+                            alpha=0.2, lw=0)
+    full = rows.loc[rows["mode"] == FULL, "accuracy"]
+    if len(full):
+        ax.axhline(float(full.mean()), color=color, ls="--", lw=0.8, alpha=0.7,
+                   label=f"_{family} full")
+
+
+def frontier_figure(cost: pd.DataFrame) -> Figure | None:
+    """Analytic prefill FLOPs against suite accuracy, a line per suite run through its modes
+    (each point annotated with its mode). cost: evals.report's cost table (columns label, mode,
+    T, prefill_flops, accuracy); None if empty."""
+    if cost is None or cost.empty:
+        return None
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    for i, (label, part) in enumerate(cost.groupby("label", sort=False)):
+        part = part.sort_values("prefill_flops")
+        ax.plot(part["prefill_flops"], part["accuracy"], marker="o", color=f"C{i % 10}",
+                label=label)
+        for _, row in part.iterrows():
+            ax.annotate(row["mode"].replace("replay=", "N="), (row["prefill_flops"],
+                        row["accuracy"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"analytic prefill FLOPs (ced.cost, causal counting) of a "
+                  f"{int(cost['T'].iloc[0])}-token prompt")
+    ax.set_ylabel("suite accuracy (mean over families)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Cost-quality frontier")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def training_figure(runs: Mapping[str, Mapping]) -> Figure | None:
+    """Training loss (solid) and validation loss (dashed, dots) against step, a colour per run.
+    runs: run label -> {"metrics": DataFrame of metrics.jsonl} (evals.report.load_runs); None
+    if no run has a loss."""
+    runs = {k: v for k, v in runs.items() if not v["metrics"].empty and "loss" in v["metrics"]}
+    if not runs:
+        return None
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    for i, (job, run) in enumerate(runs.items()):
+        m = run["metrics"]
+        ax.plot(m["step"], m["loss"], color=f"C{i % 10}", lw=1, alpha=0.8, label=f"{job} train")
+        if "val/loss" in m:
+            v = m.dropna(subset=["val/loss"])
+            ax.plot(v["step"], v["val/loss"], color=f"C{i % 10}", ls="--", marker="o", ms=4,
+                    label=f"{job} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("Training curves")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
