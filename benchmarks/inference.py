@@ -64,7 +64,8 @@ VARIANTS = ("dense", "swa", "yoco", "ced")
 TARGET_RATIO_DEVIATION = 0.15
 TARGET_FROM_T = 2048
 # (model, case name, replay)
-PREFILL_CASES = (("ced", "full", None), ("ced", "replay_window", "window"),
+# replay: any form of ced.config.replay_length ("W": N = window).
+PREFILL_CASES = (("ced", "full", None), ("ced", "replay_window", "W"),
                  ("ced", "replay_exact", "exact"), ("yoco", "full", None),
                  ("yoco", "early_exit", "exact"))
 
@@ -85,10 +86,6 @@ def make_model(variant: str, device: torch.device) -> CEDModel:
 def make_ids(length: int, vocab: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(SEED + length)
     return torch.randint(0, vocab, (1, length), generator=generator).to(device)
-
-
-def resolve(cfg: ModelConfig, replay):
-    return cfg.window if replay == "window" else replay
 
 
 NOISY_CORES = 0.3      # a CPU run during which other processes used more is run again
@@ -159,7 +156,6 @@ def bench_prefill(models, lengths, repeats, timer, dtype, kv_checks) -> list[dic
         for model_name, case, replay in PREFILL_CASES:
             engine = InferenceEngine(models[model_name])
             cfg = engine.cfg
-            replay = resolve(cfg, replay)
             calls[(model_name, case)] = (lambda e=engine, r=replay: e.prefill(ids, replay=r))
             with torch.no_grad():
                 start = time.perf_counter()
@@ -182,7 +178,7 @@ def bench_prefill(models, lengths, repeats, timer, dtype, kv_checks) -> list[dic
         replays = {(m, c): r for m, c, r in PREFILL_CASES}
         for (model_name, case), ts in times.items():
             cfg = models[model_name].cfg
-            replay = resolve(cfg, replays[(model_name, case)])
+            replay = replays[(model_name, case)]
             flops = prefill_flops(cfg, length, replay, "executed")
             row[f"{model_name}_{case}"] = {
                 "times_s": ts, "median_s": statistics.median(ts), "min_s": min(ts),
@@ -213,10 +209,9 @@ def bench_decode(models, contexts, tokens, timer, dtype, kv_checks) -> list[dict
     rows = []
     for context in contexts:
         row = {"context": context}
-        for model_name, replay in (("ced", "window"), ("yoco", "exact")):
+        for model_name, replay in (("ced", "W"), ("yoco", "exact")):
             model = models[model_name]
             cfg = model.cfg
-            replay = resolve(cfg, replay)
             engine = InferenceEngine(model)
             ids = make_ids(context + tokens + 2, cfg.vocab_size, model.embed.weight.device)
             with torch.no_grad():

@@ -185,11 +185,15 @@ def save_model(model: CEDModel, directory: str | Path) -> Path:
     return final
 
 
-def load_config(directory: str | Path) -> ModelConfig:
-    """The ModelConfig of a model directory, or a one-line CheckpointError naming the file."""
-    path = Path(directory) / CONFIG
-    if not Path(directory).is_dir():
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+def load_config(path_or_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a model directory (its `config.json`) or of a config JSON file
+    given directly, or a one-line CheckpointError naming the file."""
+    path = Path(path_or_dir)
+    if path.is_dir():
+        path = path / CONFIG
+    elif not path.is_file():
+        # A model directory is what callers usually pass; say so when it is missing.
+        raise CheckpointError(f"{path_or_dir}: no such checkpoint directory")
     raw = read_json(path)
     try:
         return ModelConfig.from_dict(raw)

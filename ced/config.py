@@ -7,12 +7,54 @@ See docs/semantics.md sections 1 and 3.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from .storage import parse_storage
 
-VARIANTS = ("dense", "swa", "yoco", "ced")
+
+@dataclass(frozen=True)
+class VariantTraits:
+    """What a variant is, structurally (docs/semantics.md section 1). `build_plan` builds the
+    layer plan from these, and every other place that needs to know "does this variant have
+    X" asks `VARIANT_TRAITS` (or `ModelConfig.traits`) instead of naming variants.
+
+    has_decoder:       split into encoder and decoder parts: early exit, decoder replay and
+                       prefix-cache encoder replay exist.
+    has_windows:       layers attend through a sliding window of W (False: dense, whose window
+                       is the whole causal prefix).
+    decoder_windows:   decoder layers have their own windows, so a decoder replay is exact only
+                       from R_exact = L_d * (W - 1) + 1 (without them R_exact = 1).
+    encoder_global_kv: encoder layers from `global_from_layer` read grouped global KVs.
+    topk_study:        the study driver evaluates this variant's checkpoints with top-k
+                       overrides (experiments.run, suite `topk`): the variant whose sparse reads
+                       of compressed KV the top-k study is about.
+    """
+
+    has_decoder: bool
+    has_windows: bool
+    decoder_windows: bool
+    encoder_global_kv: bool
+    topk_study: bool
+
+    @property
+    def exact_early_exit(self) -> bool:
+        """Any decoder replay N >= 1 is exact: a decoder without windows (yoco)."""
+        return self.has_decoder and not self.decoder_windows
+
+
+VARIANT_TRAITS: dict[str, VariantTraits] = {
+    "dense": VariantTraits(has_decoder=False, has_windows=False, decoder_windows=False,
+                           encoder_global_kv=False, topk_study=False),
+    "swa": VariantTraits(has_decoder=False, has_windows=True, decoder_windows=False,
+                         encoder_global_kv=False, topk_study=False),
+    "yoco": VariantTraits(has_decoder=True, has_windows=True, decoder_windows=False,
+                          encoder_global_kv=False, topk_study=False),
+    "ced": VariantTraits(has_decoder=True, has_windows=True, decoder_windows=True,
+                         encoder_global_kv=True, topk_study=True),
+}
+VARIANTS = tuple(VARIANT_TRAITS)
 GLOBAL_READS = ("auto", "gather", "masked")
 # With global_read="auto", a block of queries reads its top-k entries through the masked dense
 # matmul while the visible entries number at most this many times the top-k slots. Measured on
@@ -100,9 +142,14 @@ class ModelConfig:
         return self.unmodelled is not None
 
     @property
+    def traits(self) -> VariantTraits:
+        """The variant's structural description (`VARIANT_TRAITS`)."""
+        return VARIANT_TRAITS[self.variant]
+
+    @property
     def has_decoder(self) -> bool:
         """True for the split variants (yoco, ced), whose decoder can be early-exited."""
-        return self.variant in ("yoco", "ced")
+        return self.traits.has_decoder
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
@@ -149,7 +196,7 @@ def _validate(c: ModelConfig) -> None:
         _fail("n_heads", f"d_model / n_heads must be even for rotary embeddings "
               f"(d_model={c.d_model})", c.n_heads)
     _check_int(c, "n_decoder_layers", 1 if c.has_decoder else 0)
-    if c.variant != "dense":
+    if c.traits.has_windows:
         _check_int(c, "window", 1)
     _check_int(c, "topk", 1, none_means="read every visible global entry")
     _check_int(c, "decoder_reindex_every", 1, none_means="no Reindex layers")
@@ -181,10 +228,16 @@ def _validate(c: ModelConfig) -> None:
                   c.unmodelled)
         _validate_unmodelled(c, c.unmodelled)
 
-    if c.variant == "yoco" and c.decoder_compress_ratio != 1:
-        _fail("decoder_compress_ratio", "must be 1 for variant 'yoco' (YOCO's cross-decoder "
-              "reads an uncompressed KV)", c.decoder_compress_ratio)
-    if c.variant == "ced":
+    _validate_variant_fields(c)
+
+
+def _validate_variant_fields(c: ModelConfig) -> None:
+    """The fields only some variants use (VARIANT_TRAITS says which)."""
+    t = c.traits
+    if t.exact_early_exit and c.decoder_compress_ratio != 1:
+        _fail("decoder_compress_ratio", f"must be 1 for variant {c.variant!r} (YOCO's "
+              "cross-decoder reads an uncompressed KV)", c.decoder_compress_ratio)
+    if t.encoder_global_kv:
         if not _is_int(c.global_from_layer) or not (
                 0 <= c.global_from_layer <= c.n_encoder_layers):
             _fail("global_from_layer", f"must lie in [0, n_encoder_layers={c.n_encoder_layers}]",
@@ -201,9 +254,9 @@ def _validate(c: ModelConfig) -> None:
         if global_layers > 0 and c.window < c.encoder_compress_ratio:
             _fail("window", f"must be >= encoder_compress_ratio ({c.encoder_compress_ratio}): "
                   "the window covers the incomplete compression block", c.window)
-        if c.window < c.decoder_compress_ratio:
-            _fail("window", f"must be >= decoder_compress_ratio ({c.decoder_compress_ratio}): "
-                  "the window covers the incomplete compression block", c.window)
+    if t.decoder_windows and c.window < c.decoder_compress_ratio:
+        _fail("window", f"must be >= decoder_compress_ratio ({c.decoder_compress_ratio}): "
+              "the window covers the incomplete compression block", c.window)
 
 
 # ---- parts of the paper-scale model that ced/model.py does not build ----------------------
@@ -361,15 +414,16 @@ def build_plan(c: ModelConfig) -> LayerPlan:
     """The per-layer schedule of windows, global sources and Full/Reindex/Reuse modes."""
     layers: list[LayerSpec] = []
     sources: list[SourceSpec] = []
-    if c.variant in ("dense", "swa"):
+    t = c.traits
+    if not t.has_decoder:
         for i in range(c.n_layers):
-            layers.append(LayerSpec(i, "encoder", None if c.variant == "dense" else c.window,
-                                    c.variant == "dense", None, None))
+            layers.append(LayerSpec(i, "encoder", c.window if t.has_windows else None,
+                                    not t.has_windows, None, None))
         return LayerPlan(tuple(layers), ())
 
     # Encoder: SWA everywhere; for ced, global groups from `global_from_layer` on.
     leader_of: dict[int, int] = {}
-    if c.variant == "ced" and c.n_encoder_layers > c.global_from_layer:
+    if t.encoder_global_kv and c.n_encoder_layers > c.global_from_layer:
         start = c.global_from_layer
         for size in group_sizes(c.n_encoder_layers - c.global_from_layer, c.encoder_kv_groups):
             src = len(sources)
@@ -392,7 +446,7 @@ def build_plan(c: ModelConfig) -> LayerPlan:
             mode = "reindex"
         else:
             mode = "reuse"
-        window = c.window if c.variant == "ced" else None
+        window = c.window if t.decoder_windows else None
         layers.append(LayerSpec(c.n_encoder_layers + j, "decoder", window, False, dec_src, mode))
     return LayerPlan(tuple(layers), tuple(sources))
 
@@ -408,36 +462,22 @@ def global_read_is_masked(mode: str, n_queries: int, n_read: int, slots: int) ->
     return n_queries > 1 and n_read <= MASKED_READ_MAX_RATIO * max(slots, 1)
 
 
+def _split_variants() -> str:
+    """"'yoco' and 'ced'": the variants with a decoder, for error messages."""
+    return " and ".join(repr(v) for v, t in VARIANT_TRAITS.items() if t.has_decoder)
+
+
 def exact_replay_length(c: ModelConfig) -> int:
     """Smallest decoder replay N for which early-exit prefill is exact (docs/semantics.md 4.1).
 
     ced: n_decoder_layers * (window - 1) + 1; yoco: 1 (no decoder windows, any N >= 1 is exact).
     """
-    if c.variant == "ced":
-        return c.n_decoder_layers * (c.window - 1) + 1
-    if c.variant == "yoco":
-        return 1
-    raise ValueError(f"exact_replay_length: variant {c.variant!r} has no decoder to replay; "
-                     "only 'yoco' and 'ced' do")
-
-
-def resolve_replay(c: ModelConfig, replay: None | int | str, available: int,
-                   name: str = "replay") -> int:
-    """Decoder positions an early-exit prefill runs out of `available`: None -> all of them;
-    'exact' -> R_exact; an int N >= 1 -> N; always clipped to `available`."""
-    if replay is None:
-        return available
     if not c.has_decoder:
-        raise ValueError(f"{name}: variant {c.variant!r} has no decoder to replay; use "
-                         "replay=None (every token through every layer)")
-    if replay == "exact":
-        return min(exact_replay_length(c), available)
-    if isinstance(replay, bool) or not isinstance(replay, int):
-        raise ValueError(f"{name}: expected None, 'exact' or an int >= 1; got {replay!r}")
-    if replay < 1:
-        raise ValueError(f"{name}: must be >= 1 (the last prompt token always runs the "
-                         f"decoder); got {replay}")
-    return min(replay, available)
+        raise ValueError(f"exact_replay_length: variant {c.variant!r} has no decoder to replay; "
+                         f"only {_split_variants()} do")
+    if c.traits.decoder_windows:
+        return c.n_decoder_layers * (c.window - 1) + 1
+    return 1
 
 
 def paper_replay_length(c: ModelConfig) -> int:
@@ -451,11 +491,92 @@ def exact_encoder_replay_length(c: ModelConfig) -> int:
     """Smallest encoder replay N_e that makes a prefix-cache hit exact (docs/semantics.md 4.2)."""
     if not c.has_decoder:
         raise ValueError(f"exact_encoder_replay_length: variant {c.variant!r} has no prefix-"
-                         "cache replay; only 'yoco' and 'ced' do")
+                         f"cache replay; only {_split_variants()} do")
     return c.n_encoder_layers * (c.window - 1) + 1
 
 
+# ---- replay lengths: every written form, resolved in one place -----------------------------
+
+ReplayPart = Literal["decoder", "encoder"]
+# "W", "W/4", "2W", "3W/2": a multiple of the window; spaces are ignored.
+_WINDOW_FORM = re.compile(r"([1-9]\d*)?W(?:/([1-9]\d*))?")
+_FORMS = "'exact' or an int >= 1 (or 'R_exact', 'W', 'W/4', 'W/2', '2W')"
+# What each part accepts, for error messages: a decoder replay may be None (no early exit);
+# an encoder replay is asked for only where one must run.
+REPLAY_FORMS = {"decoder": f"None, {_FORMS}", "encoder": _FORMS}
+
+
+def replay_length(c: ModelConfig, replay: None | int | str, part: ReplayPart = "decoder",
+                  name: str = "replay") -> int | None:
+    """The replay length N (decoder) or N_e (encoder) that `replay` stands for, not clipped.
+
+    None -> None (no replay: every position runs); an int N >= 1 -> N; 'exact' or 'R_exact'
+    -> the smallest exact length of `part` (`exact_replay_length` /
+    `exact_encoder_replay_length`; an error without a decoder); 'W', 'W/d', 'kW', 'kW/d' ->
+    floor(k * W / d), at least 1 (needs no decoder: a study resolves them from any config).
+    Anything else is a one-line ValueError naming `name`.
+    """
+    if part not in ("decoder", "encoder"):
+        raise ValueError(f"replay_length: part must be 'decoder' or 'encoder'; got {part!r}")
+    if replay is None:
+        return None
+    if isinstance(replay, str):
+        text = replay.replace(" ", "")
+        if text in ("exact", "R_exact"):
+            if not c.has_decoder:
+                raise ValueError(f"{name}: variant {c.variant!r} has no decoder, so {replay!r} "
+                                 f"is undefined; only {_split_variants()} have one")
+            return exact_replay_length(c) if part == "decoder" else exact_encoder_replay_length(c)
+        form = _WINDOW_FORM.fullmatch(text)
+        if form:
+            times, divisor = int(form.group(1) or 1), int(form.group(2) or 1)
+            return max(1, times * c.window // divisor)
+    if isinstance(replay, bool) or not isinstance(replay, int):
+        raise ValueError(f"{name}: expected {REPLAY_FORMS[part]}; got {replay!r}")
+    if replay < 1:
+        what = "the last prompt token always runs the decoder" if part == "decoder" else \
+            "an encoder replay reruns at least one prefix token"
+        raise ValueError(f"{name}: must be >= 1 ({what}); got {replay}")
+    return replay
+
+
+def resolve_replay(c: ModelConfig, replay: None | int | str, available: int,
+                   name: str = "replay", part: ReplayPart = "decoder") -> int:
+    """Positions a replay runs out of `available` (an int >= 0), as the engine and the cost
+    model count them: None -> all `available`; any form of `replay_length` -> that length,
+    clipped to `available`. A replay on a variant without a decoder is a ValueError naming
+    `name` (docs/semantics.md 4.1, 4.2)."""
+    if replay is None:
+        return available
+    if not c.has_decoder:
+        raise ValueError(f"{name}: variant {c.variant!r} has no decoder to replay; use "
+                         "replay=None (every token through every layer)")
+    return min(replay_length(c, replay, part, name), available)
+
+
+def keep_from(end, window: int | None):
+    """First position a layer's window cache keeps once it has computed every position before
+    `end` (an int, or a LongTensor): the next query, at `end`, sees `end - W + 1 .. end`, so a
+    window layer keeps the last W - 1 positions, from `end - (W - 1)`. Below 0 (fewer than
+    W - 1 positions computed) nothing is dropped. A full-causal layer (window None) keeps
+    everything: 0."""
+    if window is None:
+        return 0
+    return end - (window - 1)
+
+
+def default_hidden_tail(c: ModelConfig, replays: Iterable[int] = ()) -> int:
+    """Trailing positions of H_{L_e} a cache keeps for the `cached_hidden` policy
+    (docs/semantics.md 4.3): enough for R_exact and for each decoder replay in `replays`,
+    capped at max_seq_len; 0 without a decoder. `InferenceEngine`'s default (no `replays`)
+    and the cost model's."""
+    if not c.has_decoder:
+        return 0
+    return min(max([exact_replay_length(c), *replays]), c.max_seq_len)
+
+
 __all__ = ["ModelConfig", "UnmodelledParts", "LayerPlan", "LayerSpec", "SourceSpec", "build_plan",
-           "group_sizes",
+           "group_sizes", "VariantTraits", "VARIANT_TRAITS", "VARIANTS",
            "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length",
-           "resolve_replay", "global_read_is_masked", "GLOBAL_READS"]
+           "replay_length", "resolve_replay", "keep_from", "default_hidden_tail",
+           "global_read_is_masked", "GLOBAL_READS"]

@@ -42,8 +42,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .config import (LayerSpec, ModelConfig, build_plan, exact_replay_length,
-                     global_read_is_masked, paper_replay_length, resolve_replay)
+from .config import (LayerSpec, ModelConfig, build_plan, default_hidden_tail,
+                     exact_replay_length, global_read_is_masked, keep_from, paper_replay_length,
+                     resolve_replay)
 from .storage import StorageFormat, parse_storage
 
 COUNTINGS = ("executed", "causal")
@@ -448,8 +449,7 @@ class _Walk:
                     t.indexer += b * scored * self.index_per_entry
         t.by_part[lc.part] += flops + (t.total - before)
         if has_window:
-            keep = lo if spec.full_causal else max(lo, end - spec.window + 1)
-            self.windows[spec.index] = (keep, end)
+            self.windows[spec.index] = (max(lo, keep_from(end, spec.window)), end)
 
     def run(self, part: str, start: int, end: int) -> None:
         if end <= start:
@@ -536,11 +536,10 @@ def forward_flops(cfg: ModelConfig, seq_len: int, counting: str = "executed",
     return walk.tally
 
 
-def prefill_flops_ratio(cfg: ModelConfig, seq_len: int, replay: None | int | str = "window",
+def prefill_flops_ratio(cfg: ModelConfig, seq_len: int, replay: None | int | str = "W",
                         counting: str = "causal") -> float:
-    """FLOPs of early-exit prefill with `replay` ('window' = W) over the full prefill."""
-    if replay == "window":
-        replay = cfg.window
+    """FLOPs of early-exit prefill with `replay` (any form of `ced.config.replay_length`;
+    default 'W', N = window) over the full prefill."""
     full = prefill_flops(cfg, seq_len, None, counting).total
     return prefill_flops(cfg, seq_len, replay, counting).total / full
 
@@ -587,7 +586,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str | None = None) -> dict[str, 
     windows = []
     for spec in plan.layers:
         if spec.window is not None:
-            held = spec.window - 1
+            # A full window: what the layer holds once it has computed W - 1 positions or more.
+            held = spec.window - keep_from(spec.window, spec.window)
             windows.append({"layer": spec.index, "part": spec.part, "positions": held,
                             "bytes": held * position_bytes})
         elif spec.full_causal:
@@ -606,12 +606,6 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str | None = None) -> dict[str, 
         "window_kv_per_layer": windows,
         "window_kv_bytes_all_layers": sum(x.get("bytes", 0) for x in windows),
     }
-
-
-def _hidden_tail(cfg: ModelConfig, hidden_tail: int | None) -> int:
-    if hidden_tail is not None:
-        return hidden_tail
-    return min(exact_replay_length(cfg), cfg.max_seq_len) if cfg.has_decoder else 0
 
 
 def engine_cache_bytes(cfg: ModelConfig, seq_len: int, replay: None | int | str = None,
@@ -638,11 +632,10 @@ def engine_cache_bytes(cfg: ModelConfig, seq_len: int, replay: None | int | str 
     d, size = cfg.d_model, (lambda values: batch * fmt.vector_bytes(values))
     window = 0
     for spec in plan.layers:
-        computed = n_dec if spec.part == "decoder" else length
-        if spec.full_causal:
-            window += computed * size(2 * d)
-        elif spec.window is not None:
-            window += min(spec.window - 1, computed) * size(2 * d)
+        if spec.full_causal or spec.window is not None:
+            computed = n_dec if spec.part == "decoder" else length
+            held = computed - max(0, keep_from(computed, spec.window))
+            window += held * size(2 * d)
     global_kv = index = pending = 0
     for s in plan.sources:
         m = s.compress_ratio
@@ -651,7 +644,9 @@ def engine_cache_bytes(cfg: ModelConfig, seq_len: int, replay: None | int | str 
         if cfg.topk is not None:
             index += entries * size(cfg.indexer_dim)
         pending += rest * (size(2 * d) + (size(cfg.n_heads) if m > 1 else 0))
-    tail = min(_hidden_tail(cfg, hidden_tail), length) if cfg.has_decoder else 0
+    if hidden_tail is None:
+        hidden_tail = default_hidden_tail(cfg)
+    tail = min(hidden_tail, length) if cfg.has_decoder else 0
     counts = {"window_kv": window, "global_kv": global_kv, "indexer_keys": index,
               "pending_blocks": pending, "encoder_hidden": tail * size(d)}
     counts["total"] = sum(counts.values())

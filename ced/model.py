@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import LayerSpec, ModelConfig, build_plan, global_read_is_masked
+from .config import LayerSpec, ModelConfig, build_plan, global_read_is_masked, keep_from
 
 # ---------------------------------------------------------------------------------------------
 # The semantics: masks, replay starts, visibility and selection. Nothing else computes these.
@@ -492,12 +492,12 @@ class Attention(nn.Module):
             ctx.indexer_kl.append(_indexer_kl(global_probs, selection, positions, source))
 
         if window is not None and ctx.keep_windows:
-            keep_from = 0
+            kept = 0
             if spec.window is not None:
-                keep_from = int(torch.searchsorted(keys.positions,
-                                                   positions[-1] - spec.window + 2))
-            window.k, window.v = keys.k[:, :, keep_from:], keys.v[:, :, keep_from:]
-            window.positions = keys.positions[keep_from:]
+                kept = int(torch.searchsorted(keys.positions,
+                                              keep_from(positions[-1] + 1, spec.window)))
+            window.k, window.v = keys.k[:, :, kept:], keys.v[:, :, kept:]
+            window.positions = keys.positions[kept:]
         b, t = x.shape[:2]
         return self.o(out.transpose(1, 2).reshape(b, t, cfg.d_model))
 

@@ -32,8 +32,9 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-from ced import InferenceEngine, exact_encoder_replay_length, exact_replay_length
+from ced import InferenceEngine, exact_replay_length
 from ced.checkpoint import CheckpointError, load_model
+from ced.config import default_hidden_tail, replay_length
 from ced.data import build_source
 
 from .modes import Mode, mode_generate, mode_logits, parse_mode
@@ -89,7 +90,7 @@ def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
     exact = exact_replay_length(cfg)
     modes = [(parse_mode(f"replay={n}"), n) for n in sorted(set(c.replays))]
     modes.append((parse_mode("replay=exact"), exact))
-    if cfg.variant == "yoco":
+    if cfg.traits.exact_early_exit:
         modes.append((Mode("yoco_early_exit", replay=1), 1))
     turn_n = c.turn_replay or cfg.window
     for policy in c.policies:
@@ -101,7 +102,7 @@ def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
             text += f",encoder_replay={turn_n}"
         modes.append((parse_mode(text), turn_n))
     for n_e in c.encoder_replays:
-        value = exact_encoder_replay_length(cfg) if n_e == "exact" else int(n_e)
+        value = replay_length(cfg, n_e, part="encoder", name="encoder_replays")
         # cached_hidden with exact decoder replay isolates the encoder's approximation.
         modes.append((parse_mode(f"turn={c.turn_tokens},policy=cached_hidden,replay=exact,"
                                  f"encoder_replay={value}"), exact))
@@ -203,9 +204,8 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
         model = load_model(checkpoint).to(dtype)
         cfg = model.cfg
         # The cached_hidden policy reads H_{L_e} of N - m prefix positions: keep enough.
-        longest = max([exact_replay_length(cfg), c.turn_replay or cfg.window, *c.replays]
-                      if cfg.has_decoder else [0])
-        engine = InferenceEngine(model, hidden_tail=min(longest, cfg.max_seq_len))
+        engine = InferenceEngine(model, hidden_tail=default_hidden_tail(
+            cfg, [c.turn_replay or cfg.window, *c.replays]))
         base = {"checkpoint": str(checkpoint), "variant": cfg.variant, "window": cfg.window,
                 "n_decoder_layers": cfg.n_decoder_layers, "r_exact":
                 exact_replay_length(cfg) if cfg.has_decoder else None}

@@ -132,12 +132,12 @@ def suite_prompt_length(study: Path, label: str) -> int | None:
 def mode_replay(mode: str):
     """A suite/divergence mode string -> the `replay` argument of ced.cost.prefill_flops, or
     False for modes the frontier does not price (multi-turn)."""
-    if mode == FULL:
-        return None
-    if mode.startswith("replay=") and "," not in mode:
-        value = mode.split("=", 1)[1]
-        return "exact" if value == "exact" else int(value)
-    return False
+    from evals.modes import parse_mode
+    try:
+        parsed = parse_mode(mode)
+    except ValueError:      # not a mode of evals.modes (e.g. divergence's yoco_early_exit)
+        return False
+    return False if parsed.turn is not None else parsed.replay
 
 
 def cost_table(study: Path, runs: dict, suite: pd.DataFrame, info: dict) -> pd.DataFrame:

@@ -113,29 +113,22 @@ def describe_change(old: list[str], new: list[str]) -> str:
 
 # ---- the study config --------------------------------------------------------------------------
 
-def resolve_lengths(values: list, cfg: dict) -> list:
-    """Replay lengths written as ints or as 'W', 'W/4', '2W', 'R_exact' -> ints (for `cfg`, a
-    checkpoint's config.json); duplicates dropped, order kept."""
-    from ced import ModelConfig, exact_replay_length
-    model = ModelConfig(**{k: v for k, v in cfg.items() if k in ModelConfig.__dataclass_fields__})
-    w = model.window
-    r = exact_replay_length(model) if model.has_decoder else None
+def resolve_lengths(values: list, cfg) -> list:
+    """Replay lengths written as ints or as 'W', 'W/4', '2W', 'R_exact' (any form of
+    `ced.config.replay_length`) -> ints, for `cfg`: a ModelConfig, or a checkpoint's
+    config.json as a dict. 'exact' stays as written; 'R_exact' is dropped for a model without a
+    decoder; duplicates dropped, order kept."""
+    from ced import ModelConfig
+    from ced.config import replay_length
+    model = cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_dict(cfg)
     out = []
     for v in values:
-        if isinstance(v, str) and v != "exact":
-            text = v.replace(" ", "")
-            if text == "R_exact":
-                if r is None:
-                    continue
-                v = r
-            elif "W" in text:
-                head, _, tail = text.partition("W")
-                v = int(head or 1) * w
-                if tail.startswith("/"):
-                    v //= int(tail[1:])
-            else:
-                v = int(text)
-            v = max(1, int(v))
+        if isinstance(v, str) and v.strip().isdigit():
+            v = max(1, int(v))      # a length that came as a string (a command-line override)
+        elif isinstance(v, str) and v != "exact":
+            if v.replace(" ", "") == "R_exact" and not model.has_decoder:
+                continue
+            v = replay_length(model, v, name=f"replay length {v!r}")
         if v not in out:
             out.append(v)
     return out
@@ -329,10 +322,12 @@ class Study:
                 self.record(key, "failed", returncode=code, tail=tail, seconds=secs,
                             log=str(log), hash=digest)
 
-    def _reference_config(self, checkpoints: dict[str, tuple[Path, str]]) -> dict | None:
-        """The config.json of the first checkpoint with a decoder (or the first one)."""
-        configs = [json.loads((p / "config.json").read_text()) for p, _ in checkpoints.values()]
-        with_decoder = [c for c in configs if c.get("variant") in ("yoco", "ced")]
+    def _reference_config(self, checkpoints: dict[str, tuple[Path, str]]):
+        """The ModelConfig of the first checkpoint with a decoder (or the first one; None
+        without checkpoints)."""
+        from ced.checkpoint import load_config
+        configs = [load_config(p) for p, _ in checkpoints.values()]
+        with_decoder = [c for c in configs if c.has_decoder]
         return (with_decoder or configs or [None])[0]
 
     def _fresh(self, label: str, out: Path, done_file: Path, digest: str) -> bool:
@@ -355,8 +350,9 @@ class Study:
         if spec is None:
             return
         checkpoints = self.checkpoints()
+        from ced.checkpoint import load_config
         usable = {label: (p, h) for label, (p, h) in checkpoints.items()
-                  if json.loads((p / "config.json").read_text()).get("variant") in ("yoco", "ced")}
+                  if load_config(p).has_decoder}
         if not usable:
             self.record(key, "skipped", reason="no trained checkpoint with a decoder")
             return
@@ -399,14 +395,15 @@ class Study:
         if not checkpoints:
             self.record("suite", "skipped", reason="no trained checkpoint")
             return
+        from ced.checkpoint import load_config
         ref = self._reference_config(checkpoints)
         replays = [v for v in resolve_lengths(list(spec.replay), ref) if v != "exact"]
         topks = list(spec.topk) or [None]
         for run_label, (final, trained) in checkpoints.items():
-            variant = json.loads((final / "config.json").read_text()).get("variant")
+            traits = load_config(final).traits
             for topk in topks:
-                if topk is not None and variant not in ("ced",):
-                    continue    # top-k overrides apply to models with a lightning indexer
+                if topk is not None and not traits.topk_study:
+                    continue    # top-k overrides apply to the variant the top-k study is about
                 label = run_label if topk is None else f"{run_label}@topk={topk}"
                 key, out = f"suite/{label}", self.out / "suite" / label
                 settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from ..config import exact_encoder_replay_length, exact_replay_length, resolve_replay
+from ..config import default_hidden_tail, resolve_replay
 from ..model import CEDModel, ForwardContext, ModelState, WindowKV
 
-Replay = None | int | Literal["exact"]
+# None, an int N >= 1, or a symbolic length ('exact', 'R_exact', 'W', 'W/4', '2W', ...):
+# every form `ced.config.replay_length` resolves.
+Replay = None | int | str
 POLICIES = ("keep_decoder_swa", "suffix_only", "cached_hidden", "encoder_replay")
 
 
@@ -136,8 +138,7 @@ class InferenceEngine:
         self.model = model
         self.cfg = model.cfg
         if hidden_tail is None:
-            hidden_tail = (min(exact_replay_length(self.cfg), self.cfg.max_seq_len)
-                           if self.cfg.has_decoder else 0)
+            hidden_tail = default_hidden_tail(self.cfg)
         if hidden_tail < 0:
             raise ValueError(f"hidden_tail: must be >= 0; got {hidden_tail}")
         self.hidden_tail = hidden_tail
@@ -176,18 +177,6 @@ class InferenceEngine:
     def resolve_replay(self, replay: Replay, available: int, name: str = "replay") -> int:
         """Decoder positions to replay out of `available` (see `ced.config.resolve_replay`)."""
         return resolve_replay(self.cfg, replay, available, name)
-
-    def _resolve_encoder_replay(self, encoder_replay: Replay, available: int) -> int:
-        if encoder_replay is None:
-            raise ValueError("encoder_replay: the cache's encoder windows were evicted "
-                             "(a prefix cache); pass an int N_e >= 1 or 'exact'")
-        if encoder_replay == "exact":
-            return min(exact_encoder_replay_length(self.cfg), available)
-        if isinstance(encoder_replay, bool) or not isinstance(encoder_replay, int) \
-                or encoder_replay < 1:
-            raise ValueError(f"encoder_replay: expected 'exact' or an int >= 1; got "
-                             f"{encoder_replay!r}")
-        return min(encoder_replay, available)
 
     # ---- the one step every public method is made of -------------------------------------
 
@@ -248,7 +237,8 @@ class InferenceEngine:
 
         replay=None: every token through every layer (the oracle); an int N: early exit, the
         encoder runs all T tokens and the decoder only the last N (windows truncated at T - N);
-        'exact': N = R_exact. Returns logits [B, V] at position T - 1 and the cache (and, with
+        'exact': N = R_exact; any other form of `ced.config.replay_length` ('W', 'W/4', ...)
+        likewise. Returns logits [B, V] at position T - 1 and the cache (and, with
         record_hidden, every layer's output hidden states).
         """
         self._check_ready()
@@ -325,24 +315,37 @@ class InferenceEngine:
         with _all_or_nothing(cache):
             return self._extend(suffix_ids, cache, policy, replay, encoder_replay)
 
+    def _encoder_from(self, cache: Cache, encoder_replay: Replay) -> int:
+        """First position the encoder runs when `extend` appends to `cache`: the cache's
+        length on a live cache (no encoder replay allowed), else P - N_e (docs/semantics.md
+        4.2), which must reach back to the incomplete compression block."""
+        prefix = cache.length
+        if not cache.encoder_windows_evicted:
+            if encoder_replay is not None:
+                raise ValueError("encoder_replay: the encoder windows of this cache are intact; "
+                                 "encoder replay applies to a prefix cache "
+                                 "(Cache.as_prefix_cache)")
+            return prefix
+        if encoder_replay is None:
+            raise ValueError("encoder_replay: the cache's encoder windows were evicted "
+                             "(a prefix cache); pass an int N_e >= 1 or 'exact'")
+        encoder_from = prefix - resolve_replay(self.cfg, encoder_replay, prefix,
+                                               "encoder_replay", part="encoder")
+        # The incomplete block's tokens were evicted with the windows; the replay rebuilds them.
+        block_starts = [s.next_position for s in cache.state.sources]
+        if block_starts and encoder_from > min(block_starts):
+            raise ValueError(f"encoder_replay: must reach back to position {min(block_starts)}"
+                             f" (the incomplete compression block), i.e. be >= "
+                             f"{prefix - min(block_starts)}; got {prefix - encoder_from}")
+        return encoder_from
+
     def _extend(self, suffix_ids: Tensor, cache: Cache, policy: str, replay: Replay,
                 encoder_replay: Replay) -> Tensor:
         """`extend` once its arguments are checked; the caller restores the cache on failure."""
         prefix, n_new = cache.length, suffix_ids.shape[1]
         end = prefix + n_new
 
-        encoder_from = prefix
-        if cache.encoder_windows_evicted:
-            encoder_from = prefix - self._resolve_encoder_replay(encoder_replay, prefix)
-            # The incomplete block's tokens were evicted with the windows; the replay rebuilds them.
-            block_starts = [s.next_position for s in cache.state.sources]
-            if block_starts and encoder_from > min(block_starts):
-                raise ValueError(f"encoder_replay: must reach back to position {min(block_starts)}"
-                                 f" (the incomplete compression block), i.e. be >= "
-                                 f"{prefix - min(block_starts)}; got {prefix - encoder_from}")
-        elif encoder_replay is not None:
-            raise ValueError("encoder_replay: the encoder windows of this cache are intact; "
-                             "encoder replay applies to a prefix cache (Cache.as_prefix_cache)")
+        encoder_from = self._encoder_from(cache, encoder_replay)
         if not self.cfg.has_decoder:
             if replay is not None:
                 self.resolve_replay(replay, end)   # raises: no decoder

@@ -32,8 +32,9 @@ from typing import Iterable
 
 import torch
 
-from ced import CEDModel, InferenceEngine, exact_replay_length
+from ced import CEDModel, InferenceEngine
 from ced.checkpoint import load_model
+from ced.config import default_hidden_tail, resolve_replay
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
 from evals.modes import Mode, mode_logits, parse_mode
@@ -69,11 +70,7 @@ def load_checkpoint(path: str | Path, topk: int | str | None = None, dtype: str 
 
 def make_engine(model: CEDModel, replays: Iterable[int] = ()) -> InferenceEngine:
     """An engine whose H_(L_e) tail covers R_exact and every N (the cached_hidden policy)."""
-    cfg = model.cfg
-    if not cfg.has_decoder:
-        return InferenceEngine(model)
-    tail = max([exact_replay_length(cfg), *replays])
-    return InferenceEngine(model, hidden_tail=min(tail, cfg.max_seq_len))
+    return InferenceEngine(model, hidden_tail=default_hidden_tail(model.cfg, replays))
 
 
 # ---- modes ----------------------------------------------------------------------------------
@@ -91,14 +88,6 @@ def suite_modes(cfg, replays: Iterable[int], turns: Iterable[int] = ()) -> tuple
     turn = [f"turn={m},policy={p},replay={r}" for m in sorted(set(turns)) for p in POLICIES
             for r in [*replays, "exact"]]
     return base, turn
-
-
-def effective_replay(mode: Mode, cfg, length: int) -> int | None:
-    """Decoder positions replayed at the end of the prompt (None: no truncation)."""
-    if mode.replay is None:
-        return None
-    n = exact_replay_length(cfg) if mode.replay == "exact" else int(mode.replay)
-    return min(n, length)
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -167,7 +156,9 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
                 pred = logits.argmax(-1)
                 correct = pred.eq(tgt).all(-1)
                 diff = (logits - reference).abs().amax((-1, -2))
-                n_eff = effective_replay(mode, cfg, ctx.shape[1])
+                # Decoder positions replayed at the end of the prompt (None: no truncation).
+                n_eff = (None if mode.replay is None
+                         else resolve_replay(cfg, mode.replay, ctx.shape[1]))
                 for i, doc in enumerate(batch):
                     rows.append({
                         "id": doc["id"], "family": fam_name, "x_name": doc["x_name"],
