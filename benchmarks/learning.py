@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    data = {"kind": "synthetic", "tasks": args.task_config, "seed": 0, "curriculum_rows": 0}
+    data = {"kind": "synthetic", "tasks": args.task_config, "only": list(args.task_config),
+            "seed": 0, "curriculum_rows": 0}       # only the tasks named, not every registered one
     train, valid_source = build_source(data, "train"), build_source(data, "validation")
     families = train.families
     valid = valid_source.rows(0, args.valid_rows, args.seq_len)

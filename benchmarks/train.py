@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from ced import CEDModel, ModelConfig
+from ced.train_config import model_conf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--model", default="ced", help="a conf/model/*.yaml name")
     args = parser.parse_args()
-    raw = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml"))
+    raw = model_conf(args.model)
     cfg = ModelConfig.from_dict(raw)
     results = {"model": args.model, "seq_len": args.seq_len, "batch": args.batch,
                "threads": torch.get_num_threads(), "torch": torch.__version__}

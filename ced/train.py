@@ -670,6 +670,18 @@ def check_overrides(overrides: list[str]) -> None:
             node = getattr(node, part)
 
 
+FREE_FORM = ("data.tasks.",)
+
+
+def free_form_overrides(overrides: list[str]) -> list[str]:
+    """`data.tasks.<name>...=v` -> `++data.tasks.<name>...=v`. conf/data/synthetic.yaml leaves
+    `tasks` empty so that every registered task is trained, and Hydra's struct mode refuses a
+    plain override of a key it does not hold; `++` adds or overrides, so the documented
+    `data.tasks.needle=null` and `data.tasks.copy.span_len=2` keep working."""
+    return [f"++{item}" if item.startswith(FREE_FORM) and "=" in item else item
+            for item in overrides]
+
+
 def _override_key(item: str) -> str:
     return item.split("=", 1)[0].lstrip("+~")
 
@@ -731,6 +743,7 @@ def main() -> None:
         args = expand_experiment(sys.argv[1:])
         check_overrides(args)
         _check_launcher(args)
+        args = free_form_overrides(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -227,3 +228,29 @@ def _build(raw: dict) -> TrainConfig:
     except ValueError as exc:
         message = str(exc).splitlines()[0].replace("ModelConfig.", "model.")
         raise ConfigError(message) from None
+
+
+MODEL_CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def model_conf(name: str, directory: Path = MODEL_CONF_DIR) -> dict:
+    """conf/model/<name>.yaml as a plain dict, for tools that read a model config without
+    composing a training config (benchmarks, tests). A file's `defaults:` list (other files
+    of conf/model, and `_self_`) is merged in order, as Hydra's `model=<name>` does, so a
+    variant that is a delta on small_base.yaml reads the same both ways."""
+    path = directory / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in directory.glob("*.yaml"))
+        raise ConfigError(f"model={name}: no {path}; known: {known}")
+    own = OmegaConf.load(path)
+    defaults = own.pop("defaults", None) or ["_self_"]
+    if "_self_" not in defaults:            # Hydra applies a file's own keys last by default
+        defaults = [*defaults, "_self_"]
+    merged = OmegaConf.create()
+    for entry in defaults:
+        if not isinstance(entry, str):
+            raise ConfigError(f"model={name}: defaults entries must be names of conf/model "
+                              f"files or _self_; got {entry!r}")
+        merged = OmegaConf.merge(merged, own if entry == "_self_" else
+                                 OmegaConf.create(model_conf(entry, directory)))
+    return OmegaConf.to_container(merged, resolve=True)

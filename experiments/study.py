@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY_DIR = ROOT / "conf" / "experiment"
+PRESET_DIR = STUDY_DIR / "presets"
 
 
 class StudyError(ValueError):
@@ -65,6 +66,7 @@ class StudyConfig:
     name: str = MISSING
     description: str = ""
     seeds: List[int] = field(default_factory=lambda: [0])
+    presets: List[str] = field(default_factory=list)  # conf/experiment/presets/<name>.yaml
     train: List[str] = field(default_factory=list)
     jobs: List[JobSpec] = MISSING
     divergence: Optional[Dict[str, Any]] = None     # evals.divergence.DivergenceConfig keys
@@ -180,7 +182,7 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
         raise StudyError(f"scale={scale}: the study {study.name} defines "
                          f"{sorted(set(scales) | {'demo', 'full'})}")
     extra = scales.get(scale) or ScaleSpec()
-    study.train = list(study.train) + list(extra.train)
+    study.train = preset_overrides(study.presets, where) + list(study.train) + list(extra.train)
     if study.divergence is not None:
         study.divergence = {**study.divergence, **extra.divergence}
     if study.suite is not None and extra.suite:
@@ -201,6 +203,25 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
         raise StudyError(f"{where}seeds: need at least one seed and distinct seeds; "
                          f"got {study.seeds}")
     return study
+
+
+def preset_overrides(names: list[str], where: str = "") -> list[str]:
+    """The `train` overrides of the presets `names` (conf/experiment/presets/<name>.yaml), in
+    order. They go before a study's own `train` overrides, so a key the study also sets takes
+    the study's value (Hydra: the last value of a key wins)."""
+    out: list[str] = []
+    known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    for i, name in enumerate(names):
+        path = PRESET_DIR / f"{name}.yaml"
+        if not path.exists():
+            raise StudyError(f"{where}presets[{i}]: no preset {name!r}; known presets: {known}")
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        train = raw.get("train") if isinstance(raw, dict) else None
+        if set(raw or {}) - {"train"} or not isinstance(train, list):
+            raise StudyError(f"{where}presets[{i}]: {path} must be a mapping with one key, "
+                             f"`train`, a list of ced.train overrides")
+        out += [str(item) for item in train]
+    return out
 
 
 def normalise_overrides(overrides: list[str]) -> list[str]:

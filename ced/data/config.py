@@ -19,11 +19,12 @@ class DataConfig:
     """Where training tokens come from. See ced/data/sources.py for the row semantics.
 
     kind: synthetic | stdlib | hf | mixture
-    tasks (synthetic): task name -> {weight: float > 0, <generator params>}; omitted params take
-      the generator defaults; `family: <family>` lets one family appear under several names
-      (e.g. count: {family: running_state, kind: count}); a null entry disables a task.
-      An empty mapping (the default) means all five families, weight 1, default params.
-      (Hydra merges mappings key by key, so a yaml listing only some tasks gets only those.)
+    tasks (synthetic): every registered task (ced.data.TASKS) takes part with its registered
+      weight and defaults; an entry `<name>: {weight: float > 0, <generator params>}` overrides
+      them, a null entry drops the task, and an entry under a new name with `family: <task>`
+      adds a task of its own (e.g. count: {family: running_state, kind: count}).
+    only (synthetic): null (default): every task above; a list of names narrows to those, in
+      that order (e.g. only: [kv_recall, count]).
     name, files, text_field, hf_split (hf): `datasets.load_dataset(name, data_files=files,
       split=hf_split)[text_field]`; name is a builder (json | parquet | text | csv) with local
       files, a local dataset path, or a hub name (online only); null name: inferred from the
@@ -43,6 +44,7 @@ class DataConfig:
 
     kind: str = "synthetic"
     tasks: Dict[str, Any] = field(default_factory=dict)
+    only: Optional[List[str]] = None
     name: Optional[str] = None
     files: Optional[List[str]] = None
     text_field: str = "text"

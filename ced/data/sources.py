@@ -32,7 +32,7 @@ import torch
 from . import corpora
 from .config import (KINDS, SPLITS, as_dict, check_fraction, check_int, check_str, check_weight,
                      plain)
-from .tasks import FAMILIES, TASKS, TaskParamError, make_example
+from .tasks import TASKS, TaskParamError, make_example
 from .tokenizer import ByteTokenizer
 
 _TOK = ByteTokenizer()
@@ -183,35 +183,61 @@ class MixtureSource(_RowSource):
 
 
 # ---- building from a config ---------------------------------------------------------------
-def parse_tasks(tasks: Any, key: str) -> dict[str, tuple[str, float, dict]]:
-    """data.tasks -> name -> (family, weight, params), every task checked with a probe example."""
+def parse_tasks(tasks: Any, key: str, only: Any = None) -> dict[str, tuple[str, float, dict]]:
+    """data.tasks (and data.only) -> name -> (task, weight, params), each checked with a probe
+    example. Every registered task takes part with its registered weight and defaults, in
+    registration order, then the extra names `tasks` defines (`family: <task>`); an entry of
+    `tasks` overrides its weight and params, null drops it; `only` narrows to the listed
+    names, in that order."""
     tasks = plain(tasks)
-    if tasks is None or tasks == {}:
-        return {f: (f, 1.0, {}) for f in FAMILIES}
+    if tasks is None:
+        tasks = {}
     if not isinstance(tasks, dict):
         raise ValueError(f"{key} must be a mapping task name -> {{weight, <params>}}, got {tasks!r}")
+    names = list(TASKS) + [n for n in tasks if n not in TASKS]
+    where = key.rsplit(".", 1)[0] + ".only"
+    if only is not None:
+        names = _only(plain(only), names, tasks, where)
     out = {}
-    for name, spec in tasks.items():
+    for name in names:
+        spec = tasks.get(name, {})
         if spec is None:                        # disabled, e.g. data.tasks.needle=null
             continue
-        if not isinstance(spec, dict):
-            raise ValueError(f"{key}.{name} must be a mapping {{weight: 1.0, <params>}} or null, "
-                             f"got {spec!r}")
-        params = dict(spec)
-        family = params.pop("family", name)
-        if family not in TASKS:
-            where = f"{key}.{name}.family" if "family" in spec else f"{key}.{name}"
-            raise ValueError(f"{where}: unknown task family {family!r}; allowed: "
-                             f"{', '.join(TASKS)}")
-        weight = check_weight(f"{key}.{name}.weight", params.pop("weight", 1.0))
-        try:
-            make_example(family, 0, **params)
-        except TaskParamError as e:
-            raise ValueError(f"{key}.{name}.{e.param} {e.message}") from None
-        out[str(name)] = (family, weight, params)
+        out[str(name)] = _task_spec(name, spec, key)
     if not out:
         raise ValueError(f"{key}: every task is disabled (null); enable at least one")
     return out
+
+
+def _only(only: Any, names: list, tasks: dict, where: str) -> list:
+    """`data.only` checked: a list of known task names (registered or defined in tasks)."""
+    if not isinstance(only, list) or not only:
+        raise ValueError(f"{where} must be null (every task) or a non-empty list of task "
+                         f"names, got {only!r}")
+    for name in only:
+        if name not in names:
+            raise ValueError(f"{where}: unknown task {name!r}; allowed: {', '.join(names)}")
+        if name in tasks and tasks[name] is None:
+            raise ValueError(f"{where}: task {name!r} is also disabled (data.tasks.{name}=null)")
+    return list(dict.fromkeys(only))
+
+
+def _task_spec(name: Any, spec: Any, key: str) -> tuple[str, float, dict]:
+    """One entry of data.tasks -> (task, weight, params); defaults from the registry."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"{key}.{name} must be a mapping {{weight: 1.0, <params>}} or null, "
+                         f"got {spec!r}")
+    params = dict(spec)
+    family = params.pop("family", name)
+    if family not in TASKS:
+        where = f"{key}.{name}.family" if "family" in spec else f"{key}.{name}"
+        raise ValueError(f"{where}: unknown task {family!r}; allowed: {', '.join(TASKS)}")
+    weight = check_weight(f"{key}.{name}.weight", params.pop("weight", TASKS[family].weight))
+    try:
+        make_example(family, 0, **params)
+    except TaskParamError as e:
+        raise ValueError(f"{key}.{name}.{e.param} {e.message}") from None
+    return family, weight, params
 
 
 def build_source(cfg: Any, split: str) -> SequenceSource:
@@ -230,8 +256,8 @@ def _build(c: dict[str, Any], split: str, key: str) -> _RowSource:
 
     if kind == "synthetic":
         curriculum = check_int(f"{key}.curriculum_rows", c["curriculum_rows"], 0)
-        return SyntheticSource(parse_tasks(c["tasks"], f"{key}.tasks"), seed, split, key,
-                               curriculum)
+        return SyntheticSource(parse_tasks(c["tasks"], f"{key}.tasks", c["only"]), seed, split,
+                               key, curriculum)
 
     if kind == "mixture":
         comps = plain(c["mixture"])

@@ -1,7 +1,15 @@
-"""Synthetic tasks: small deterministic generators of (context, target) text pairs.
+"""The synthetic tasks: one registry entry each (ced/data/registry.py), holding the generator
+of (context, target) text pairs, its defaults, its chance level and its suite sweeps.
 
-Each family is a function `generator(rng: random.Random, **params) -> Example`, registered in
-`TASKS` under its name; `make_example(family, seed, **params)` seeds the rng for you. Contexts
+    task            suite families (evals.suites)
+    kv_recall       recall, short, boundary, multiturn
+    copy            copy
+    variable_tracking  multihop
+    running_state   running_count, running_parity, running_bracket
+    needle          needle
+
+Every task is a function `generator(rng: random.Random, **params) -> Example`, registered in
+`TASKS` under its name; `make_example(task, seed, **params)` seeds the rng for you. Contexts
 are ASCII, so one character is one byte is one token of `ByteTokenizer`, and
 `prompt_ids = [BOS] + context bytes`, `answer_ids = target bytes + [EOS]`.
 
@@ -26,215 +34,107 @@ of the queried chain); `meta["length"]` is len(prompt_ids).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import random
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .tokenizer import ByteTokenizer
+from .layout import (DIGITS, UPPER, check_alphabet, check_int, check_layout, check_min_distance,
+                     composition, distinct_strings, filler_text, layout)
+from .registry import (SLACK, TASKS, Example, Point, Sweep, TaskParamError, chance_accuracy,
+                       distance_points, fits, make_example, task)
 
-_TOK = ByteTokenizer()
-UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-DIGITS = "0123456789"
-
-
-@dataclass
-class Example:
-    """One synthetic example: the model must produce `target` right after `context`."""
-
-    family: str
-    params: dict          # every generator parameter, defaults filled in
-    context: str
-    target: str
-    meta: dict = field(default_factory=dict)   # measured layout facts (see module docstring)
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        """[BOS] + UTF-8 bytes of context; length len(context) + 1."""
-        return [_TOK.bos] + _TOK.encode(self.context)
-
-    @property
-    def answer_ids(self) -> list[int]:
-        """UTF-8 bytes of target + [EOS]."""
-        return _TOK.encode(self.target) + [_TOK.eos]
+__all__ = ["TASKS", "Example", "TaskParamError", "make_example", "chance_accuracy",
+           "filler_text", "RUNNING_KINDS"]
 
 
-class TaskParamError(ValueError):
-    """A bad generator parameter; the message names the config key data.tasks.<family>.<param>."""
-
-    def __init__(self, family: str, param: str, message: str):
-        self.family, self.param, self.message = family, param, message
-        super().__init__(f"data.tasks.{family}.{param} {message}")
+def _pick_one_of(n: int, space: int) -> float:
+    """Chance of guessing one of n candidates shown in the context, each drawn from an answer
+    space of `space` values: right when the pick is the asked one, or by luck otherwise."""
+    return 1.0 / n + (1.0 - 1.0 / n) / space
 
 
-TASKS: dict[str, Callable[..., Example]] = {}
+# ---- kv_recall: families recall, short, boundary, multiturn ----------------------------------
+def chance_kv_recall(p: dict) -> float:
+    """A random value among the n_pairs in the context (the key ignored)."""
+    return _pick_one_of(p["n_pairs"], len(p["value_alphabet"]) ** p["value_len"])
 
 
-def task(name: str):
-    """Register `fn(rng, **params) -> (context, target, meta)` as family `name`. The registered
-    generator rejects unknown params, fills in defaults and returns an Example."""
-
-    def register(fn):
-        defaults = {p.name: p.default for p in list(inspect.signature(fn).parameters.values())[1:]}
-
-        @functools.wraps(fn)
-        def generate(rng: random.Random, **params: Any) -> Example:
-            for key in params:
-                if key not in defaults:
-                    raise TaskParamError(name, key, f"is not a parameter of {name}; "
-                                         f"allowed: {', '.join(defaults)}")
-            full = {**defaults, **params}
-            context, target, meta = fn(rng, **full)
-            assert context.isascii() and target.isascii()
-            return Example(name, full, context, target, {**meta, "length": len(context) + 1})
-
-        generate.defaults = defaults
-        TASKS[name] = generate
-        return generate
-
-    return register
+def points_recall(s: Any) -> list[Point]:
+    """The fact at the suite's distance sweep (1, N-1, N, N+1, W, R_exact-1 .. 2 R_exact)."""
+    return distance_points(s, "kv_recall", {"n_pairs": 4}, s.distances())
 
 
-def make_example(family: str, seed: int, **params: Any) -> Example:
-    """The example of `family` for `seed`; deterministic in (family, seed, params)."""
-    if family not in TASKS:
-        raise ValueError(f"data.tasks: unknown task family {family!r}; allowed: {', '.join(TASKS)}")
-    return TASKS[family](random.Random(f"ced.data/{family}/{seed}"), **params)
+def _kv_at_length(length: int, max_pairs: int = 4) -> Optional[dict]:
+    """kv_recall params at an exact prompt length: as many pairs (<= max_pairs) as fit."""
+    for n_pairs in range(max_pairs, 0, -1):
+        params = {"n_pairs": n_pairs, "length": length}
+        if fits("kv_recall", **params):
+            return params
+    return None
 
 
-# ---- parameter checks ---------------------------------------------------------------------
-def _int(family: str, name: str, value: Any, low: int, optional: bool = False) -> Optional[int]:
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        allowed = f"{'null or ' if optional else ''}an integer >= {low}"
-        raise TaskParamError(family, name, f"must be {allowed}, got {value!r}")
-    return value
-
-
-def _alphabet(family: str, name: str, value: Any) -> str:
-    if not (isinstance(value, str) and value and len(set(value)) == len(value)
-            and all(c.isascii() and c.isalnum() for c in value)):
-        raise TaskParamError(family, name, f"must be a non-empty string of distinct ASCII "
-                             f"letters/digits, got {value!r}")
-    return value
-
-
-def _layout_params(family: str, distance: Any, length: Any, filler: Any) -> None:
-    _int(family, "distance", distance, 1, optional=True)
-    _int(family, "length", length, 1, optional=True)
-    _int(family, "filler", filler, 0)
-
-
-def _min_distance(family: str, distance: Optional[int], minimum: int) -> None:
-    if distance is not None and distance < minimum:
-        raise TaskParamError(family, "distance", f"must be >= {minimum} for these params (the "
-                             f"fact and everything that must follow it), got {distance}")
-
-
-# ---- filler and layout --------------------------------------------------------------------
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
-
-
-def filler_text(rng: random.Random, n: int) -> str:
-    """Exactly n characters of neutral text: lowercase pseudo-words, each followed by a space."""
-    words, size = [], 0
-    while size < n:
-        word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS)
-                       for _ in range(rng.randint(1, 3)))
-        words.append(word + " ")
-        size += len(word) + 1
-    return "".join(words)[: n - 1] + " " if n > 0 else ""
-
-
-def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
-    """`total` split into `parts` non-negative integers at random cut points."""
-    cuts = sorted(rng.randint(0, total) for _ in range(parts - 1))
-    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
-
-
-def _layout(rng: random.Random, family: str, facts: list[str], others: list[str], query: str,
-            gaps: list[Optional[int]], length: Optional[int], filler_max: int) -> tuple[str, list[int]]:
-    """Lay out `facts` (in order), `others` (equal widths, kept in order) and filler, then `query`.
-
-    Region 0 lies before facts[0]; region j >= 1 between facts[j-1] and facts[j] (or the query).
-    gaps[j-1] fixes region j's size in tokens (its others plus filler); None leaves it free.
-    Free regions share what `length` leaves, or a random [0, filler_max] filler when length is
-    None. Others are spread over regions as a uniform random merge, then moved only as far as
-    the region sizes require. Returns (context, offset of each fact in context).
-    """
-    m, n = len(facts), len(others)
-    width = len(others[0]) if others else 1
-    assert all(len(o) == width for o in others)
-    sizes: list[Optional[int]] = [None] + list(gaps)
-    fixed = [j for j in range(m + 1) if sizes[j] is not None]
-    free = [j for j in range(m + 1) if sizes[j] is None]
-    cap = {j: sizes[j] // width for j in fixed}
-    core = 1 + sum(map(len, facts)) + len(query) + sum(sizes[j] for j in fixed)  # BOS included
-    if length is None:
-        free_cap = n
-    else:
-        need = core + max(0, n - sum(cap.values())) * width
-        if length < need:
-            raise TaskParamError(family, "length", f"must be >= {need} for these params, got {length}")
-        free_cap = (length - core) // width
-
-    bars = sorted(rng.sample(range(n + m), m))
-    counts = [b - a - 1 for a, b in zip([-1] + bars, bars + [n + m])]
-    spill = 0
-    for j in fixed:
-        spill += max(0, counts[j] - cap[j])
-        counts[j] = min(counts[j], cap[j])
-    while sum(counts[j] for j in free) > free_cap:
-        j = max(free, key=lambda j: counts[j])
-        counts[j] -= 1
-        spill += 1
-    for _ in range(spill):
-        room = [j for j in fixed if counts[j] < cap[j]]
-        if sum(counts[j] for j in free) < free_cap:
-            room += free
-        counts[rng.choice(room)] += 1
-
-    free_items = sum(counts[j] for j in free)
-    free_fill = rng.randint(0, filler_max) if length is None else length - core - free_items * width
-    free_parts = iter(_composition(rng, free_fill, free_items + len(free)))
-    out: list[str] = []
-    offsets: list[int] = []
-    items = iter(others)
-    for j in range(m + 1):
-        if sizes[j] is None:
-            parts = [next(free_parts) for _ in range(counts[j] + 1)]
-        else:
-            parts = _composition(rng, sizes[j] - counts[j] * width, counts[j] + 1)
-        for k, size in enumerate(parts):
-            out.append(filler_text(rng, size))
-            if k < counts[j]:
-                out.append(next(items))
-        if j < m:
-            offsets.append(sum(map(len, out)))
-            out.append(facts[j])
-    out.append(query)
-    return "".join(out), offsets
-
-
-def _distinct_strings(rng: random.Random, alphabet: str, size: int, count: int) -> list[str]:
-    """`count` distinct random strings of `size` characters from `alphabet`."""
-    base = len(alphabet)
+def points_short(s: Any) -> list[Point]:
+    """T <= N: the replay covers the whole prompt, so replay=N must equal the exact model."""
+    lengths = set()
+    for n in s.replays:
+        lengths |= {n // 2, n - 1, n}
     out = []
-    for code in rng.sample(range(base ** size), count):
-        chars = []
-        for _ in range(size):
-            code, digit = divmod(code, base)
-            chars.append(alphabet[digit])
-        out.append("".join(chars))
+    for t in sorted(lengths):
+        params = _kv_at_length(t) if 1 <= t <= s.length_cap else None
+        if params is not None:
+            out.append(Point(t, params, {"covered_by": [n for n in s.replays if n >= t]}))
     return out
 
 
-# ---- the five families --------------------------------------------------------------------
-@task("kv_recall")
+def short_needs() -> str:
+    """What `short` needs when it has no points: a replay at least its shortest prompt."""
+    shortest = next((t for t in range(1, 4096) if _kv_at_length(t) is not None), None)
+    return f"short needs a replay N >= {shortest} (its shortest prompt)" if shortest else ""
+
+
+def points_boundary(s: Any) -> list[Point]:
+    """T = k*W + {-1,0,1} for the two smallest k with k*W - 1 > max N (so every replay is
+    bounded), and k*m + {-1,0,1} for the smallest block multiple above max N that is not a
+    window multiple (when m > 2: with m <= 2 every T is already at a block boundary)."""
+    top = max(s.replays)
+    k = top // s.window + 1
+    while k * s.window - 1 <= top:
+        k += 1
+    centres = {k * s.window, (k + 1) * s.window}
+    for m in {s.block, s.decoder_block}:
+        if m > 2:
+            j = top // m + 1
+            while j * m - 1 <= top or (j * m) % s.window == 0:
+                j += 1
+            centres.add(j * m)
+    out = []
+    for t in sorted({c + delta for c in centres for delta in (-1, 0, 1)}):
+        params = _kv_at_length(t) if t <= s.length_cap else None
+        if params is not None:
+            out.append(Point(t, params, {"T_mod_W": t % s.window, "T_mod_m": t % s.block}))
+    return out
+
+
+def points_multiturn(s: Any) -> list[Point]:
+    """The recall sweep, each document also saying whether the fact lies in the cached prefix."""
+    def extra(d: int) -> dict:
+        return {"turns": list(s.turns), "fact_in_cached_prefix": [d > t for t in s.turns]}
+    return distance_points(s, "kv_recall", {"n_pairs": 4}, s.distances(), extra)
+
+
+KV_RECALL_SWEEPS = (
+    Sweep("recall", "distance", points_recall, "a key's value at distance d from the prompt's end"),
+    Sweep("short", "length", points_short, "prompts with T <= N (replay must be exact)",
+          needs=short_needs),
+    Sweep("boundary", "length", points_boundary,
+          "T at block and window boundaries (T mod m, T mod W in {-1, 0, 1})"),
+    Sweep("multiturn", "distance", points_multiturn,
+          "a cached prefix then a short new turn (< N tokens), every multi-turn policy "
+          "(docs/semantics.md 4.3)", turn_modes=True),
+)
+
+
+@task("kv_recall", chance=chance_kv_recall, sweeps=KV_RECALL_SWEEPS)
 def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len: int = 1,
               key_alphabet: str = UPPER, value_alphabet: str = DIGITS,
               distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32,
@@ -249,19 +149,19 @@ def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len:
     (meta["answer_spans"]), so one example supervises `queries` look-ups.
     """
     f = "kv_recall"
-    n_pairs = _int(f, "n_pairs", n_pairs, 1)
-    _int(f, "key_len", key_len, 1)
-    _int(f, "value_len", value_len, 1)
-    _alphabet(f, "key_alphabet", key_alphabet)
-    _alphabet(f, "value_alphabet", value_alphabet)
-    _layout_params(f, distance, length, filler)
+    n_pairs = check_int(f, "n_pairs", n_pairs, 1)
+    check_int(f, "key_len", key_len, 1)
+    check_int(f, "value_len", value_len, 1)
+    check_alphabet(f, "key_alphabet", key_alphabet)
+    check_alphabet(f, "value_alphabet", value_alphabet)
+    check_layout(f, distance, length, filler)
     if n_pairs > len(key_alphabet) ** key_len:
         raise TaskParamError(f, "n_pairs", f"must be <= {len(key_alphabet) ** key_len} (distinct "
                              f"keys of key_len {key_len} from key_alphabet), got {n_pairs}")
-    keys = _distinct_strings(rng, key_alphabet, key_len, n_pairs)
+    keys = distinct_strings(rng, key_alphabet, key_len, n_pairs)
     values = ["".join(rng.choice(value_alphabet) for _ in range(value_len)) for _ in keys]
     pairs = [f"{k}={v} " for k, v in zip(keys, values)]
-    queries = _int(f, "queries", queries, 1)
+    queries = check_int(f, "queries", queries, 1)
     if queries > n_pairs:
         raise TaskParamError(f, "queries", f"must be <= n_pairs ({n_pairs}), got {queries}")
     q = rng.randrange(n_pairs)
@@ -271,9 +171,9 @@ def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len:
     asked = ([i for i in rng.sample(range(n_pairs), n_pairs) if i != q][:queries - 1]
              if queries > 1 else [])
     query = "".join(f"?{keys[i]}={values[i]} " for i in asked) + f"?{keys[q]}="
-    _min_distance(f, distance, len(pairs[q]) + len(query))
+    check_min_distance(f, distance, len(pairs[q]) + len(query))
     gap = None if distance is None else distance - len(pairs[q]) - len(query)
-    context, (offset,) = _layout(rng, f, [pairs[q]], others, query, [gap], length, filler)
+    context, (offset,) = layout(rng, f, [pairs[q]], others, query, [gap], length, filler)
     spans, at = [], len(context) - len(query)
     for i in asked:
         at += len(keys[i]) + 2
@@ -285,7 +185,22 @@ def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len:
     return context, values[q], meta
 
 
-@task("copy")
+# ---- copy: family copy ----------------------------------------------------------------------
+def chance_copy(p: dict) -> float:
+    """A uniform random span: 1 / |alphabet| ** span_len."""
+    return 1.0 / len(p["alphabet"]) ** p["span_len"]
+
+
+def points_copy(s: Any) -> list[Point]:
+    """A span beginning d tokens from the end (before the replay start iff d > N)."""
+    return distance_points(s, "copy", {"span_len": 4}, s.distances())
+
+
+COPY_SWEEPS = (Sweep("copy", "distance", points_copy,
+                     "copy a span that begins d tokens before the end"),)
+
+
+@task("copy", chance=chance_copy, sweeps=COPY_SWEEPS)
 def copy_span(rng: random.Random, span_len: int = 4, alphabet: str = UPPER + DIGITS,
               distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32):
     """Long-range copy: can the model reproduce a span it saw `distance` tokens ago?
@@ -294,18 +209,49 @@ def copy_span(rng: random.Random, span_len: int = 4, alphabet: str = UPPER + DIG
     `distance` counts from the `<` (minimum span_len + 5).
     """
     f = "copy"
-    _int(f, "span_len", span_len, 1)
-    _alphabet(f, "alphabet", alphabet)
-    _layout_params(f, distance, length, filler)
+    check_int(f, "span_len", span_len, 1)
+    check_alphabet(f, "alphabet", alphabet)
+    check_layout(f, distance, length, filler)
     span = "".join(rng.choice(alphabet) for _ in range(span_len))
     fact, query = f"<{span}> ", "?<"
-    _min_distance(f, distance, len(fact) + len(query))
+    check_min_distance(f, distance, len(fact) + len(query))
     gap = None if distance is None else distance - len(fact) - len(query)
-    context, (offset,) = _layout(rng, f, [fact], [], query, [gap], length, filler)
+    context, (offset,) = layout(rng, f, [fact], [], query, [gap], length, filler)
     return context, span, {"distance": len(context) - offset}
 
 
-@task("variable_tracking")
+# ---- variable_tracking: family multihop -----------------------------------------------------
+def chance_variable_tracking(p: dict) -> float:
+    """A random literal among the chains' literals (n_distractor_chains + 1 of them)."""
+    return _pick_one_of(p["n_distractor_chains"] + 1, len(p["values"]))
+
+
+def points_multihop(s: Any) -> list[Point]:
+    """2 hops `spread` tokens apart, the literal placed so that 0 .. hops+1 chain statements
+    lie before each replay start; also R_exact, R_exact + 1, 2 R_exact and W."""
+    hops, spread = 2, s.multihop_spread
+    step = 4 + spread                  # statement k lies at distance d - k * step
+    params = {"hops": hops, "n_distractor_chains": 1, "spread": spread}
+    wanted = set()
+    for n in s.replays:
+        # j chain statements (literal first) beyond the replay start, j = 0 .. hops + 1
+        wanted |= {n + j * step for j in range(hops + 2)}
+    if s.r_exact is not None:
+        wanted |= {s.r_exact, s.r_exact + 1, 2 * s.r_exact}
+    wanted |= {s.window, *s.extra_distances}
+
+    def extra(d: int) -> dict:
+        return {"chain_distances": [d - k * step for k in range(hops + 1)]}
+    return distance_points(s, "variable_tracking", params, wanted, extra)
+
+
+VARIABLE_TRACKING_SWEEPS = (
+    Sweep("multihop", "distance", points_multihop,
+          "2-hop variable tracking, hops on both sides of the replay start"),)
+
+
+@task("variable_tracking", chance=chance_variable_tracking,
+      sweeps=VARIABLE_TRACKING_SWEEPS)
 def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: int = 1,
                       names: str = UPPER, values: str = DIGITS, distance: Optional[int] = None,
                       spread: Optional[int] = None, length: Optional[int] = None, filler: int = 32):
@@ -325,12 +271,12 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
     meta["chain_distances"]: measured distances of the chain's statements, literal first.
     """
     f = "variable_tracking"
-    hops = _int(f, "hops", hops, 0)
-    n_chains = _int(f, "n_distractor_chains", n_distractor_chains, 0) + 1
-    _alphabet(f, "names", names)
-    _alphabet(f, "values", values)
-    _int(f, "spread", spread, 0, optional=True)
-    _layout_params(f, distance, length, filler)
+    hops = check_int(f, "hops", hops, 0)
+    n_chains = check_int(f, "n_distractor_chains", n_distractor_chains, 0) + 1
+    check_alphabet(f, "names", names)
+    check_alphabet(f, "values", values)
+    check_int(f, "spread", spread, 0, optional=True)
+    check_layout(f, distance, length, filler)
     if n_chains * (hops + 1) > len(names):
         raise TaskParamError(f, "n_distractor_chains", f"needs (n_distractor_chains + 1) * "
                              f"(hops + 1) <= {len(names)} distinct names, got {n_distractor_chains}")
@@ -347,13 +293,13 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
     query = f"?{main[-1][0]}="
 
     min_distance = (hops + 1) * width + hops * (spread or 0) + len(query)
-    _min_distance(f, distance, min_distance)
+    check_min_distance(f, distance, min_distance)
     gaps: list[Optional[int]] = [spread] * hops + [None]
     if distance is not None and spread is not None:
         gaps[-1] = distance - min_distance
     elif distance is not None:
-        gaps = _composition(rng, distance - min_distance, hops + 1)
-    context, offsets = _layout(rng, f, main, others, query, gaps, length, filler)
+        gaps = composition(rng, distance - min_distance, hops + 1)
+    context, offsets = layout(rng, f, main, others, query, gaps, length, filler)
     chain_distances = [len(context) - o for o in offsets]
     return context, main[0][2], {"distance": chain_distances[0], "chain_distances": chain_distances}
 
@@ -361,7 +307,63 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
 RUNNING_KINDS = ("count", "parity", "bracket")
 
 
-@task("running_state")
+# ---- running_state: families running_count, running_parity, running_bracket ----------------
+def _bracket_depths(window_len: int) -> list[float]:
+    """Distribution of the final depth of running_state's bracket windows (exact, by DP)."""
+    probs = [1.0] + [0.0] * window_len
+    for _ in range(window_len):
+        nxt = [0.0] * (window_len + 1)
+        for depth, p in enumerate(probs):
+            if p == 0.0:
+                continue
+            if depth == 0:
+                nxt[1] += p
+            else:
+                nxt[depth + 1] += p / 2
+                nxt[depth - 1] += p / 2
+        probs = nxt
+    return probs
+
+
+def chance_running_state(p: dict) -> float:
+    """The most likely answer, max_a P(target = a): count: the binomial mode, parity: 1/2,
+    bracket: the mode of the depth distribution."""
+    m = p["window_len"]
+    if p["kind"] == "parity":
+        return 0.5
+    if p["kind"] == "count":
+        return math.comb(m, m // 2) / 2 ** m
+    return max(_bracket_depths(m))
+
+
+def _running(kind: str) -> Callable[[Any], list[Point]]:
+    """The sweep of one running_state kind: `|` at distance M + 2 around each N and at W + 2."""
+    def points(s: Any) -> list[Point]:
+        # `|` lies at distance M + 2: M + 2 in {N-1, N, N+1} puts the start of the counted
+        # window just inside / at / just outside the replay.
+        targets = {s.window + 2}
+        for n in s.replays:
+            targets |= {n - 1, n, n + 1}
+        windows = sorted({d - 2 for d in targets if d - 2 >= 1})
+        windows = [m for m in windows if m + 3 + SLACK <= s.length_cap]
+        if not windows:
+            return []
+        length = max(windows) + 3 + SLACK
+        return [Point(m + 2, {"kind": kind, "window_len": m, "length": length})
+                for m in windows]
+    points.__name__ = f"points_running_{kind}"
+    return points
+
+
+RUNNING_STATE_SWEEPS = (
+    Sweep("running_count", "distance", _running("count"),
+          "count of `a` over the last M symbols (`|` at distance M + 2)"),
+    Sweep("running_parity", "distance", _running("parity"), "parity of `1` over the last M symbols"),
+    Sweep("running_bracket", "distance", _running("bracket"), "bracket depth over the last M symbols"),
+)
+
+
+@task("running_state", chance=chance_running_state, sweeps=RUNNING_STATE_SWEEPS)
 def running_state(rng: random.Random, kind: str = "count", window_len: int = 8,
                   length: Optional[int] = None, filler: int = 16):
     """State over a window: can the model keep a running count / parity / bracket depth over the
@@ -380,8 +382,8 @@ def running_state(rng: random.Random, kind: str = "count", window_len: int = 8,
     f = "running_state"
     if kind not in RUNNING_KINDS:
         raise TaskParamError(f, "kind", f"must be one of {', '.join(RUNNING_KINDS)}, got {kind!r}")
-    window_len = _int(f, "window_len", window_len, 1)
-    _layout_params(f, None, length, filler)
+    window_len = check_int(f, "window_len", window_len, 1)
+    check_layout(f, None, length, filler)
     symbols = {"count": "ab", "parity": "01", "bracket": "()"}[kind]
     if kind == "bracket":
         window, depth = [], 0
@@ -400,7 +402,35 @@ def running_state(rng: random.Random, kind: str = "count", window_len: int = 8,
     return f"{prefix}|{''.join(window)}?", str(target), {"distance": window_len + 2}
 
 
-@task("needle")
+# ---- needle: family needle ------------------------------------------------------------------
+def chance_needle(p: dict) -> float:
+    """A random code among the n_distractors + 1 lines in the context."""
+    return _pick_one_of(p["n_distractors"] + 1, 10 ** p["code_digits"])
+
+
+def points_needle(s: Any) -> list[Point]:
+    """More distractor lines than the top-k has slots (each line is 17 tokens, so the top-k
+    cannot even read one token of every line): `settings.needle_distractors`, else top-k + 1,
+    else 8. If they do not fit under the length cap, as many as fit are used (the document's
+    params say how many)."""
+    n = s.needle_distractors
+    if n is None:
+        n = s.topk + 1 if s.topk is not None else 8
+    params = {"n_distractors": n, "id_digits": 3, "code_digits": 4}
+    while n >= 0:
+        params["n_distractors"] = n
+        pts = distance_points(s, "needle", params, s.distances())
+        if pts:
+            return pts
+        n -= 1
+    return []
+
+
+NEEDLE_SWEEPS = (Sweep("needle", "distance", points_needle,
+                       "needle line among more same-template distractors than top-k"),)
+
+
+@task("needle", chance=chance_needle, sweeps=NEEDLE_SWEEPS)
 def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_digits: int = 4,
            distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32):
     """Needle in a haystack with same-template distractors: can the model find the one line
@@ -411,10 +441,10 @@ def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_
     decimals; a line has 10 + id_digits + code_digits tokens; `distance` counts from its `i`.
     """
     f = "needle"
-    n = _int(f, "n_distractors", n_distractors, 0)
-    _int(f, "id_digits", id_digits, 1)
-    _int(f, "code_digits", code_digits, 1)
-    _layout_params(f, distance, length, filler)
+    n = check_int(f, "n_distractors", n_distractors, 0)
+    check_int(f, "id_digits", id_digits, 1)
+    check_int(f, "code_digits", code_digits, 1)
+    check_layout(f, distance, length, filler)
     if n + 1 > 10 ** id_digits:
         raise TaskParamError(f, "n_distractors", f"must be < {10 ** id_digits} (distinct ids of "
                              f"id_digits {id_digits}), got {n}")
@@ -423,59 +453,7 @@ def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_
     lines = [f"id {i} code {c}\n" for i, c in zip(ids, codes)]
     others = lines[1:]                          # ids are already in random order
     query = f"?id {ids[0]} code "
-    _min_distance(f, distance, len(lines[0]) + len(query))
+    check_min_distance(f, distance, len(lines[0]) + len(query))
     gap = None if distance is None else distance - len(lines[0]) - len(query)
-    context, (offset,) = _layout(rng, f, [lines[0]], others, query, [gap], length, filler)
+    context, (offset,) = layout(rng, f, [lines[0]], others, query, [gap], length, filler)
     return context, codes[0], {"distance": len(context) - offset}
-
-
-FAMILIES: tuple[str, ...] = tuple(TASKS)
-DEFAULT_PARAMS: dict[str, dict[str, Any]] = {name: dict(fn.defaults) for name, fn in TASKS.items()}
-
-
-# ---- chance levels ------------------------------------------------------------------------
-def _bracket_depths(window_len: int) -> list[float]:
-    """Distribution of the final depth of running_state's bracket windows (exact, by DP)."""
-    probs = [1.0] + [0.0] * window_len
-    for _ in range(window_len):
-        nxt = [0.0] * (window_len + 1)
-        for depth, p in enumerate(probs):
-            if p == 0.0:
-                continue
-            if depth == 0:
-                nxt[1] += p
-            else:
-                nxt[depth + 1] += p / 2
-                nxt[depth - 1] += p / 2
-        probs = nxt
-    return probs
-
-
-def chance_accuracy(family: str, **params: Any) -> float:
-    """Exact-match accuracy of a guesser blind to what the task probes (exact, not sampled):
-
-    kv_recall, needle: a random value/code among the n candidates in the context (the key is
-      ignored): 1/n + (1 - 1/n) / |answer space|.
-    variable_tracking: a random literal among the chains' literals, likewise with
-      n = n_distractor_chains + 1.
-    copy: a uniform random span, 1 / |alphabet| ** span_len.
-    running_state: the most likely answer, max_a P(target = a) (count: binomial mode,
-      parity: 1/2, bracket: mode of the depth distribution).
-    """
-    p = make_example(family, 0, **params).params          # validates, fills defaults
-    if family == "kv_recall":
-        n, space = p["n_pairs"], len(p["value_alphabet"]) ** p["value_len"]
-    elif family == "needle":
-        n, space = p["n_distractors"] + 1, 10 ** p["code_digits"]
-    elif family == "variable_tracking":
-        n, space = p["n_distractor_chains"] + 1, len(p["values"])
-    elif family == "copy":
-        return 1.0 / len(p["alphabet"]) ** p["span_len"]
-    else:
-        m = p["window_len"]
-        if p["kind"] == "parity":
-            return 0.5
-        if p["kind"] == "count":
-            return math.comb(m, m // 2) / 2 ** m
-        return max(_bracket_depths(m))
-    return 1.0 / n + (1.0 - 1.0 / n) / space

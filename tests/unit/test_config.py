@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from ced.config import (
     ModelConfig,
@@ -19,13 +17,11 @@ from ced.config import (
     group_sizes,
     paper_replay_length,
 )
-
-MODEL_CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
+from ced.train_config import model_conf
 
 
 def load_model_conf(name: str) -> ModelConfig:
-    container = OmegaConf.to_container(OmegaConf.load(MODEL_CONF / f"{name}.yaml"), resolve=True)
-    return ModelConfig.from_dict(container)
+    return ModelConfig.from_dict(model_conf(name))
 
 
 BASE = dict(variant="ced", vocab_size=259, d_model=32, n_heads=2, n_encoder_layers=4,

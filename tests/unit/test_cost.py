@@ -12,7 +12,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from ced import CEDModel
 from ced.config import ModelConfig
@@ -31,15 +30,14 @@ from ced.cost import (
     report,
 )
 from ced.storage import parse_storage
+from ced.train_config import model_conf
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str) -> ModelConfig:
-    container = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"),
-                                       resolve=True)
-    return ModelConfig.from_dict(container)
+    return ModelConfig.from_dict(model_conf(name))
 
 
 @pytest.fixture(scope="module")

@@ -228,7 +228,7 @@ def test_chance_accuracy():
 def test_generator_errors_name_the_key(family, params, key):
     with pytest.raises(ValueError, match=re.escape(key)):
         make_example(family, 0, **params)
-    with pytest.raises(ValueError, match="unknown task family"):
+    with pytest.raises(ValueError, match="unknown task 'kv_recal'"):
         make_example("kv_recal", 0)
 
 
@@ -408,9 +408,10 @@ def test_hf_hub_name_offline_fails_fast(monkeypatch):
 
 def test_mixture_weights_and_family_ids():
     cfg = {"kind": "mixture", "seed": 5, "mixture": [
-        {"kind": "synthetic", "weight": 0.25, "tasks": {"copy": {}}},
+        {"kind": "synthetic", "weight": 0.25, "only": ["copy"]},
         {"kind": "synthetic", "weight": 0.5, "seed": 9,
-         "tasks": {"kv_recall": {"weight": 1}, "copy": {"span_len": 2}}},
+         "tasks": {"kv_recall": {"weight": 1}, "copy": {"span_len": 2}},
+         "only": ["kv_recall", "copy"]},
         {"kind": "stdlib", "weight": 0.25}]}
     source = build_source(cfg, "train")
     assert source.families == ["copy", "kv_recall"]
@@ -433,7 +434,7 @@ def test_mixture_weights_and_family_ids():
 
 
 def test_answer_accuracy():
-    source = build_source({"tasks": {"copy": {}, "kv_recall": {}}}, "train")
+    source = build_source({"only": ["copy", "kv_recall"]}, "train")
     batch = source.rows(0, 4, 128)
     perfect = answer_accuracy(batch["labels"], batch, source.families)
     assert all(v["token_acc"] == 1.0 and v["exact_match"] == 1.0 for v in perfect.values())
@@ -456,7 +457,7 @@ def test_answer_accuracy():
     ({"tasks": {"copy": {"weight": 0}}}, "data.tasks.copy.weight"),
     ({"tasks": {"par": {"family": "running_state", "kind": "xor"}}}, "data.tasks.par.kind"),
     ({"tasks": {"par": {"family": "parity"}}}, "data.tasks.par.family"),
-    ({"tasks": {"copy": None}}, "data.tasks"),
+    ({"tasks": {name: None for name in FAMILIES}}, "data.tasks"),
     ({"kind": "stdlib", "validation_fraction": 1.0}, "data.validation_fraction"),
     ({"kind": "hf", "name": "json"}, "data.files"),
     ({"kind": "hf", "name": "json", "files": ["/nonexistent/x.jsonl"]}, "data.files[0]"),
@@ -532,7 +533,8 @@ def test_kv_recall_single_query_examples_unchanged_by_the_option():
 
 def test_rows_mark_context_answers_for_multi_query_examples():
     source = build_source({"kind": "synthetic", "tasks": {
-        "kv_recall": {"weight": 1.0, "n_pairs": 5, "queries": 5, "filler": 4}}}, "train")
+        "kv_recall": {"weight": 1.0, "n_pairs": 5, "queries": 5, "filler": 4}},
+        "only": ["kv_recall"]}, "train")
     batch = source.rows(0, 6, 128)
     for row in range(6):
         ids, labels = batch["input_ids"][row].tolist(), batch["labels"][row].tolist()
@@ -552,9 +554,9 @@ def test_curriculum_ramps_filler_on_training_rows_only():
     towards 0), later rows and every validation row have the configured spread, and rows stay a
     pure function of their index."""
     tasks = {"kv_recall": {"weight": 1.0, "filler": 64}, "copy": {"weight": 1.0}}
-    ramped = build_source({"kind": "synthetic", "tasks": tasks, "curriculum_rows": 400},
-                          "train")
-    plain_train = build_source({"kind": "synthetic", "tasks": tasks}, "train")
+    narrowed = {"kind": "synthetic", "tasks": tasks, "only": list(tasks)}
+    ramped = build_source({**narrowed, "curriculum_rows": 400}, "train")
+    plain_train = build_source(narrowed, "train")
 
     def examples_per_row(source, start):
         batch = source.rows(start, 40, 256)
@@ -564,9 +566,8 @@ def test_curriculum_ramps_filler_on_training_rows_only():
     late = ramped.rows(400, 8, 256)
     assert torch.equal(late["input_ids"], plain_train.rows(400, 8, 256)["input_ids"])
     assert torch.equal(ramped.rows(3, 5, 256)["input_ids"], ramped.rows(3, 5, 256)["input_ids"])
-    val_ramped = build_source({"kind": "synthetic", "tasks": tasks, "curriculum_rows": 400},
-                              "validation")
-    val_plain = build_source({"kind": "synthetic", "tasks": tasks}, "validation")
+    val_ramped = build_source({**narrowed, "curriculum_rows": 400}, "validation")
+    val_plain = build_source(narrowed, "validation")
     assert torch.equal(val_ramped.rows(0, 8, 256)["input_ids"],
                        val_plain.rows(0, 8, 256)["input_ids"])
     with pytest.raises(ValueError, match="data.curriculum_rows"):
