@@ -128,6 +128,8 @@ class StorageQuantiser:
     straight_through: bool
 
     def __call__(self, x: Tensor) -> Tensor:
+        """x [..., n] -> the stored values [..., n], x's dtype (with the identity gradient
+        when straight_through and x requires grad)."""
         if self.grid is None:
             stored = round_trip_cast(x, self.cast)
         else:
