@@ -107,12 +107,18 @@ class ModelConfig:
     # "gather" copies each query's k entries; "masked" scores every visible entry with one
     # matmul and masks the unselected ones; "auto" picks the cheaper per query block.
     global_read: str = "auto"
-    # ---- cost model only (ced.cost); CEDModel and the engine ignore these -----------------
     # Storage formats of cached KV at deployment (see ced/storage.py: "fp32", "bf16", "fp8",
-    # "fp4_block16", ...). None: the model's own dtype, which is what the engine stores.
+    # "fp4_block16", ...). None: the model's own dtype, which is what the engine stores. The
+    # cost model prices every format; CEDModel fake-quantises window K/V, global KV entries
+    # and indexer keys where they are stored (ced/quant.py says which formats it implements).
     window_kv_dtype: str | None = None
     global_kv_dtype: str | None = None
     indexer_key_dtype: str | None = None
+    # Training through those formats: True uses a straight-through estimator (identity
+    # gradient); False differentiates the quantiser as written (fp8/fp4 rounding has zero
+    # gradient). See ced/quant.py.
+    kv_quant_aware: bool = False
+    # ---- cost model only (ced.cost); CEDModel and the engine ignore this ------------------
     # Parts of the paper-scale model that ced/model.py does not implement (MoE, mHC, Engram,
     # latent attention), described so that the cost model prices them; see UnmodelledParts.
     # None (every small config): the model is exactly what ced/model.py builds.
@@ -207,6 +213,8 @@ def _validate(c: ModelConfig) -> None:
         _fail("attention_sink", "must be true or false", c.attention_sink)
     if not isinstance(c.tie_embeddings, bool):
         _fail("tie_embeddings", "must be true or false", c.tie_embeddings)
+    if not isinstance(c.kv_quant_aware, bool):
+        _fail("kv_quant_aware", "must be true or false", c.kv_quant_aware)
     if isinstance(c.dropout, bool) or not isinstance(c.dropout, (int, float)) \
             or not 0.0 <= c.dropout < 1.0:
         _fail("dropout", "must lie in [0, 1)", c.dropout)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import LayerSpec, ModelConfig, build_plan, global_read_is_masked, keep_from
+from .quant import KVStorage, store
 
 # ---------------------------------------------------------------------------------------------
 # The semantics: masks, replay starts, visibility and selection. Nothing else computes these.
@@ -352,11 +353,13 @@ class RMSNorm(nn.Module):
 class GlobalKVSource(nn.Module):
     """Produces one global KV from a hidden state: per-token K/V projection, softmax-gated
     pooling over blocks of `compress_ratio` tokens, RoPE at the block's first position, and
-    indexer keys projected from the pooled entry (docs/semantics.md section 3.1)."""
+    indexer keys projected from the pooled entry (docs/semantics.md section 3.1). Entries and
+    indexer keys are stored here, so here they pass through their storage formats (3.6)."""
 
     def __init__(self, cfg: ModelConfig, compress_ratio: int):
         super().__init__()
         self.cfg, self.ratio = cfg, compress_ratio
+        self.storage = KVStorage.from_config(cfg)
         self.kv = nn.Linear(cfg.d_model, 2 * cfg.d_model, bias=False)
         if compress_ratio > 1:
             self.gate = nn.Linear(cfg.d_model, cfg.n_heads, bias=False)
@@ -393,10 +396,13 @@ class GlobalKVSource(nn.Module):
                 entry = block[:, :, 0]
             entry_pos = (state.n_entries + torch.arange(n_new, device=x.device)) * m
             k = rotary(entry[:, :, 0].transpose(1, 2), entry_pos, cfg.rope_theta)
-            state.k = torch.cat((state.k, k), dim=2)
-            state.v = torch.cat((state.v, entry[:, :, 1].transpose(1, 2)), dim=2)
+            v = entry[:, :, 1].transpose(1, 2)
+            # Stored vectors are head rows [Dh] of K (after RoPE, as cached) and of V.
+            state.k = torch.cat((state.k, store(self.storage.entries, k)), dim=2)
+            state.v = torch.cat((state.v, store(self.storage.entries, v)), dim=2)
             if self.index_key is not None:
                 keys = self.index_key(entry.reshape(b, n_new, 2 * cfg.d_model).detach())
+                keys = store(self.storage.index_keys, keys)
                 state.index_keys = torch.cat((state.index_keys, keys), dim=1)
         state.pending_tokens = tokens[:, n_new * m:]
         if m > 1:
@@ -434,6 +440,7 @@ class Attention(nn.Module):
         self.sink = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sink else None
         self.indexer = (IndexerQuery(cfg) if cfg.topk is not None
                         and spec.global_mode in ("full", "reindex") else None)
+        self.storage = KVStorage.from_config(cfg)
 
     def _split(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -467,8 +474,12 @@ class Attention(nn.Module):
         q = rotary(self._split(projected[0]), positions, cfg.rope_theta)
         keys = None
         if self.has_window:
-            k = rotary(self._split(projected[1]), positions, cfg.rope_theta)
-            v = self._split(projected[2])
+            # The window cache's one storage point: the new positions' K (after RoPE) and V
+            # head rows, before the current queries read them, so that a query reads its own
+            # and earlier keys exactly as a later decode step reads them from the cache.
+            k = store(self.storage.window,
+                      rotary(self._split(projected[1]), positions, cfg.rope_theta))
+            v = store(self.storage.window, self._split(projected[2]))
             if window is not None:
                 keys = WindowKV(torch.cat((window.k, k), 2), torch.cat((window.v, v), 2),
                                 torch.cat((window.positions, positions)))
@@ -565,6 +576,7 @@ class CEDModel(nn.Module):
             raise ValueError("ModelConfig.unmodelled: describes parts this model code does not "
                              "build (MoE, mHC, Engram, a shared K=V latent); such a config is "
                              "for the cost model (python -m ced.cost), not for CEDModel")
+        KVStorage.from_config(cfg)   # a storage format the model cannot store fails here, whole
         self.cfg = cfg
         self.plan = build_plan(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
