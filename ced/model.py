@@ -269,6 +269,14 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     softmax over the same entries either way).
     Returns the output [B, H, Tq, Dh] and, if asked, the attention mass on global entries
     summed over heads, [B, Tq, k] (selected read) or [B, Tq, E] (dense read), detached.
+
+    Why this stays one function, over 60 lines: it is the one readable place for the visibility
+    rules (which window keys a query sees, which global entries are visible and selected, how
+    the three read forms mask them) and for the joint softmax over window keys, global entries
+    and the sink, whose column layout the value reads below must match. Training, parallel
+    evaluation and the engine all run through it, so splitting it into pieces would scatter
+    those rules over functions that pass one block's logits, widths and masks between them,
+    without making any piece usable on its own.
     """
     b, h, n_queries, dh = q.shape
     q = q * (1.0 / math.sqrt(dh))      # scaled once here rather than every block's logits

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -374,9 +375,61 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
+@dataclass
+class _Run:
+    """The live objects of one training run, shared by the pieces of the loop in `_train`.
+    trainer_state: what every checkpoint carries beside the step (the wandb run id); it is
+    filled in by the resume and by `_init_wandb`, and is the one dict every save writes."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    train_source: Any
+    val_source: Any
+    per_micro: int
+    per_rank: int
+    trainer_state: dict = field(default_factory=dict)
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.run_dir / METRICS
+
+
 def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
-    from accelerate.utils import set_seed
-    t, world = cfg.train, accelerator.num_processes
+    """Set the run up, take the steps, finish; returns the last logged metrics.
+
+    The pieces run every operation and every random draw in the order of the single function
+    they were split from, which the bitwise reproducibility and resume tests depend on
+    (tests/integration/test_train.py, test_run_safety.py)."""
+    t = cfg.train
+    per_micro, per_rank = _rows_per_micro_batch(cfg, accelerator.num_processes)
+    model, optimizer, train_source, val_source = _build_model_and_data(cfg, accelerator)
+    # Nothing is written into the run directory until the plan (and every file it relies on)
+    # is checked: a refused or failed start leaves an earlier run exactly as it was.
+    plan = _on_main(accelerator, lambda: plan_run(t, run_dir, accelerator.unwrap_model(model)))
+    run = _Run(cfg, run_dir, accelerator, model, optimizer, train_source, val_source,
+               per_micro, per_rank, _load_resume_state(accelerator, plan, run_dir))
+    _prepare_run_dir(run, plan)
+    progress = _Progress(t.steps, plan.start_step,
+                         enabled=t.progress and accelerator.is_main_process)
+    last: dict = {}
+    model.train()
+    for step in range(plan.start_step, t.steps):
+        last = _train_step(run, step)
+        _record_step(run, step, last, progress)
+    progress.close()
+    _finish_run(run, last)
+    return last
+
+
+# ---- setting a run up --------------------------------------------------------------------------
+
+def _rows_per_micro_batch(cfg: TrainConfig, world: int) -> tuple[int, int]:
+    """(rows per micro-batch over all processes, rows per micro-batch on one process), after
+    checking that the batch splits evenly and fits the model's context."""
+    t = cfg.train
     per_micro = t.batch_size // t.grad_accum
     if per_micro % world:
         raise ConfigError(f"train.batch_size: {t.batch_size} / grad_accum {t.grad_accum} must be "
@@ -385,7 +438,15 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len: must be <= model.max_seq_len "
                           f"({cfg.model.max_seq_len}); got {t.seq_len}")
+    return per_micro, per_rank
 
+
+def _build_model_and_data(cfg: TrainConfig, accelerator):
+    """The seeded model, its AdamW optimizer (both prepared by accelerate), and the training
+    and validation sources: (model, optimizer, train_source, val_source). The seed is set
+    first, so the initial weights depend on train.seed alone."""
+    from accelerate.utils import set_seed
+    t = cfg.train
     set_seed(t.seed)
     model = CEDModel(cfg.model)
     try:
@@ -405,137 +466,193 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
         [{"params": decay, "weight_decay": o.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    # The learning rate is a pure function of the step (set below), so there is no scheduler
-    # state to save, and none of accelerate's per-process scheduler stepping to account for.
+    # The learning rate is a pure function of the step (set in `_train_step`), so there is no
+    # scheduler state to save, and none of accelerate's per-process scheduler stepping to
+    # account for.
     model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, train_source, val_source
 
-    # Nothing is written into the run directory until the plan (and every file it relies on)
-    # is checked: a refused or failed start leaves an earlier run exactly as it was.
-    plan = _on_main(accelerator, lambda: plan_run(t, run_dir, accelerator.unwrap_model(model)))
-    start_step = plan.start_step
-    trainer_state: dict = {}
+
+def _load_resume_state(accelerator, plan: RunPlan, run_dir: Path) -> dict:
+    """Load the plan's checkpoint, if any, into the prepared model, optimizer and RNGs; returns
+    the trainer state the run carries on with (the wandb run id of a checkpoint of this run
+    directory, else nothing)."""
+    if plan.resume_from is None:
+        return {}
+    try:
+        accelerator.load_state(str(plan.resume_from))
+    except Exception as exc:   # what the check cannot see, e.g. a damaged RNG state file
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{plan.resume_from}: cannot be loaded ({type(exc).__name__}: "
+                              f"{reason})") from None
+    # The wandb run id travels with the checkpoint, so a resumed run continues the same
+    # wandb run instead of starting a second one (plan_run has checked this file). A
+    # checkpoint of another run directory starts a new wandb run: its history is not ours.
+    if run_dir.resolve() in plan.resume_from.resolve().parents:
+        saved = read_json(plan.resume_from / TRAINER_STATE)
+        return {k: v for k, v in saved.items() if k == "wandb_run_id"}
+    return {}
+
+
+def _prepare_run_dir(run: _Run, plan: RunPlan) -> None:
+    """Carry the checked plan out on the main process: print its warnings, clear what it
+    discards, deletes or sets aside, remove leftovers of interrupted saves, write the config and
+    the kept metrics, and start (or continue) the wandb run."""
+    accelerator, cfg, run_dir = run.accelerator, run.cfg, run.run_dir
+    if not accelerator.is_main_process:
+        return
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if plan.discard:
+        discard_run(run_dir)
+    for path in plan.delete:
+        shutil.rmtree(path)
+    for path in plan.set_aside:
+        aside = path.with_name(f".damaged-{path.name}")
+        shutil.rmtree(aside, ignore_errors=True)   # an older copy set aside before
+        path.rename(aside)
+    for orphan in remove_orphans(run_dir) + remove_orphans(run_dir / CHECKPOINTS):
+        print(f"warning: removed {orphan}, left by an interrupted save", file=sys.stderr)
+    _write_config(run_dir / CONFIG_YAML, cfg)
+    run.metrics_file.write_text("".join(line + "\n" for line in plan.metrics))
     if plan.resume_from is not None:
-        try:
-            accelerator.load_state(str(plan.resume_from))
-        except Exception as exc:   # what the check cannot see, e.g. a damaged RNG state file
-            reason = (str(exc).strip().splitlines() or [""])[0]
-            raise CheckpointError(f"{plan.resume_from}: cannot be loaded ({type(exc).__name__}: "
-                                  f"{reason})") from None
-        # The wandb run id travels with the checkpoint, so a resumed run continues the same
-        # wandb run instead of starting a second one (plan_run has checked this file). A
-        # checkpoint of another run directory starts a new wandb run: its history is not ours.
-        if run_dir.resolve() in plan.resume_from.resolve().parents:
-            saved = read_json(plan.resume_from / TRAINER_STATE)
-            trainer_state = {k: v for k, v in saved.items() if k == "wandb_run_id"}
+        print(f"resumed from {plan.resume_from} at step {plan.start_step}")
+    if cfg.logging.wandb:
+        _init_wandb(accelerator, cfg, run_dir, run.trainer_state)
 
-    metrics_file = run_dir / METRICS
+
+# ---- one step ----------------------------------------------------------------------------------
+
+def _train_step(run: _Run, step: int) -> dict:
+    """Set the step's learning rate, draw its batches, take one optimizer step over them;
+    returns the step's metrics (the loss averaged over every loss-bearing token of the step on
+    every process). Raises TrainingDiverged on a non-finite loss."""
+    t, o, accelerator = run.cfg.train, run.cfg.optim, run.accelerator
+    started = time.perf_counter()
+    lr = o.lr * lr_factor(step, o.warmup_steps, t.steps, o.min_lr_ratio)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    micro_batches = _micro_batches(run, step)
+    global_tokens = _global_loss_tokens(run, micro_batches)
+    step_loss, step_kl = _accumulate_gradients(run, micro_batches, global_tokens,
+                                               dense_read=step < t.indexer_warmup_steps)
+    total = accelerator.reduce(torch.stack([step_loss, step_kl]), reduction="sum")
+    loss_value = total[0].item() / max(global_tokens, 1e-12)
+    kl_value = total[1].item() / accelerator.num_processes
+    if not math.isfinite(loss_value):
+        good = last_good_checkpoint(run.run_dir, accelerator.unwrap_model(run.model))
+        raise TrainingDiverged(f"non-finite training loss ({loss_value}) at step {step + 1}; "
+                               f"the last good checkpoint is {good}")
+    elapsed = time.perf_counter() - started
+    return {"step": step + 1, "loss": loss_value, "indexer_kl": kl_value, "lr": lr,
+            "processes": accelerator.num_processes,
+            "tokens_per_s": run.per_micro * t.grad_accum * t.seq_len / elapsed}
+
+
+def _micro_batches(run: _Run, step: int) -> list[dict]:
+    """This process's rows of every micro-batch of the step, each with its replay starts and
+    loss weights. Row ids are global, so the data and the replay starts do not depend on the
+    process count."""
+    t = run.cfg.train
+    micro_batches = []
+    for micro in range(t.grad_accum):
+        first = (step * t.batch_size + micro * run.per_micro
+                 + run.accelerator.process_index * run.per_rank)
+        batch = run.train_source.rows(first, run.per_rank, t.seq_len)
+        batch["replay_starts"] = sample_replay_starts(
+            t.replay, torch.arange(first, first + run.per_rank), t.seq_len, t.seed)
+        micro_batches.append(batch)
+    for batch in micro_batches:
+        batch["weights"] = token_weights(batch, t.loss_on, t.answer_weight)
+    return micro_batches
+
+
+def _global_loss_tokens(run: _Run, micro_batches: list[dict]) -> float:
+    """The loss-bearing tokens (summed weights) of the whole step over every process: the loss
+    is normalised by it, so the gradient is the same whatever the process count and
+    accumulation split."""
+    accelerator, t = run.accelerator, run.cfg.train
+    local_tokens = sum(float(b["weights"].sum()) for b in micro_batches)
+    global_tokens = float(accelerator.reduce(
+        torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
+    if global_tokens <= 0 and t.loss_on == "answers":
+        raise ConfigError("train.loss_on: 'answers' but a training step has no answer "
+                          "tokens (only synthetic tasks mark answers); use 'all'")
+    return global_tokens
+
+
+def _accumulate_gradients(run: _Run, micro_batches: list[dict], global_tokens: float,
+                          dense_read: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over the micro-batches under accelerate's accumulation, stepping
+    the optimizer when it syncs; returns this process's summed weighted token loss and its mean
+    indexer KL, both detached. dense_read: the indexer warm-up (global read over every entry)."""
+    cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
+    t, o = cfg.train, cfg.optim
+    step_loss = torch.zeros((), device=accelerator.device)
+    step_kl = torch.zeros((), device=accelerator.device)
+    for batch in micro_batches:
+        ids = batch["input_ids"].to(accelerator.device)
+        labels = batch["labels"].to(accelerator.device)
+        weights = batch["weights"].to(accelerator.device)
+        starts = batch["replay_starts"]
+        starts = None if starts is None else starts.to(accelerator.device)
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                logits, aux = model(
+                    ids, decoder_replay_start=starts if cfg.model.has_decoder else None,
+                    encoder_replay_start=starts if t.replay.encoder else None,
+                    return_aux=True, dense_global_read=dense_read)
+            token_loss = (F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                          ignore_index=-100, reduction="none")
+                          * weights.flatten()).sum()
+            # accelerate divides by grad_accum and DDP averages over processes: undo both.
+            scale = accelerator.num_processes * t.grad_accum / max(global_tokens, 1e-12)
+            accelerator.backward(token_loss * scale
+                                 + t.indexer_kl_weight * aux["indexer_kl"])
+            if accelerator.sync_gradients and o.grad_clip:
+                accelerator.clip_grad_norm_(model.parameters(), o.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_loss += token_loss.detach()
+        step_kl += aux["indexer_kl"].detach().float() / t.grad_accum
+    return step_loss, step_kl
+
+
+# ---- after each step, and at the end -----------------------------------------------------------
+
+def _record_step(run: _Run, step: int, last: dict, progress: _Progress) -> None:
+    """Evaluate when due (adding the validation metrics to `last`), append `last` to
+    metrics.jsonl and wandb, show progress, and save a checkpoint (weights checked finite
+    first) when due."""
+    cfg, accelerator, t = run.cfg, run.accelerator, run.cfg.train
+    if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+        last.update(evaluate(run.model, run.val_source, cfg, accelerator))
     if accelerator.is_main_process:
-        for warning in plan.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if plan.discard:
-            discard_run(run_dir)
-        for path in plan.delete:
-            shutil.rmtree(path)
-        for path in plan.set_aside:
-            aside = path.with_name(f".damaged-{path.name}")
-            shutil.rmtree(aside, ignore_errors=True)   # an older copy set aside before
-            path.rename(aside)
-        for orphan in remove_orphans(run_dir) + remove_orphans(run_dir / CHECKPOINTS):
-            print(f"warning: removed {orphan}, left by an interrupted save", file=sys.stderr)
-        _write_config(run_dir / CONFIG_YAML, cfg)
-        metrics_file.write_text("".join(line + "\n" for line in plan.metrics))
-        if plan.resume_from is not None:
-            print(f"resumed from {plan.resume_from} at step {start_step}")
+        with open(run.metrics_file, "a") as handle:
+            handle.write(json.dumps(last) + "\n")
         if cfg.logging.wandb:
-            _init_wandb(accelerator, cfg, run_dir, trainer_state)
-    progress = _Progress(t.steps, start_step, enabled=t.progress and accelerator.is_main_process)
-    last: dict = {}
-    model.train()
-    for step in range(start_step, t.steps):
-        started = time.perf_counter()
-        lr = o.lr * lr_factor(step, o.warmup_steps, t.steps, o.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # This process's rows of every micro-batch of the step; row ids are global, so the data
-        # and the replay starts do not depend on the process count.
-        micro_batches = []
-        for micro in range(t.grad_accum):
-            first = step * t.batch_size + micro * per_micro + accelerator.process_index * per_rank
-            batch = train_source.rows(first, per_rank, t.seq_len)
-            batch["replay_starts"] = sample_replay_starts(
-                t.replay, torch.arange(first, first + per_rank), t.seq_len, t.seed)
-            micro_batches.append(batch)
-        for batch in micro_batches:
-            batch["weights"] = token_weights(batch, t.loss_on, t.answer_weight)
-        local_tokens = sum(float(b["weights"].sum()) for b in micro_batches)
-        # Normalise by the loss-bearing tokens of the whole step over every process, so the
-        # gradient is the same whatever the process count and accumulation split.
-        global_tokens = float(accelerator.reduce(
-            torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
-        if global_tokens <= 0 and t.loss_on == "answers":
-            raise ConfigError("train.loss_on: 'answers' but a training step has no answer "
-                              "tokens (only synthetic tasks mark answers); use 'all'")
-        dense_read = step < t.indexer_warmup_steps
-        step_loss = torch.zeros((), device=accelerator.device)
-        step_kl = torch.zeros((), device=accelerator.device)
-        for batch in micro_batches:
-            ids = batch["input_ids"].to(accelerator.device)
-            labels = batch["labels"].to(accelerator.device)
-            weights = batch["weights"].to(accelerator.device)
-            starts = batch["replay_starts"]
-            starts = None if starts is None else starts.to(accelerator.device)
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    logits, aux = model(
-                        ids, decoder_replay_start=starts if cfg.model.has_decoder else None,
-                        encoder_replay_start=starts if t.replay.encoder else None,
-                        return_aux=True, dense_global_read=dense_read)
-                token_loss = (F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                              ignore_index=-100, reduction="none")
-                              * weights.flatten()).sum()
-                # accelerate divides by grad_accum and DDP averages over processes: undo both.
-                scale = world * t.grad_accum / max(global_tokens, 1e-12)
-                accelerator.backward(token_loss * scale
-                                     + t.indexer_kl_weight * aux["indexer_kl"])
-                if accelerator.sync_gradients and o.grad_clip:
-                    accelerator.clip_grad_norm_(model.parameters(), o.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            step_loss += token_loss.detach()
-            step_kl += aux["indexer_kl"].detach().float() / t.grad_accum
-        total = accelerator.reduce(torch.stack([step_loss, step_kl]), reduction="sum")
-        loss_value = total[0].item() / max(global_tokens, 1e-12)
-        kl_value = total[1].item() / world
-        if not math.isfinite(loss_value):
-            raise TrainingDiverged(
-                f"non-finite training loss ({loss_value}) at step {step + 1}; the last good "
-                f"checkpoint is {last_good_checkpoint(run_dir, accelerator.unwrap_model(model))}")
-        elapsed = time.perf_counter() - started
-        last = {"step": step + 1, "loss": loss_value, "indexer_kl": kl_value, "lr": lr,
-                "processes": world,
-                "tokens_per_s": per_micro * t.grad_accum * t.seq_len / elapsed}
-        if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
-            last.update(evaluate(model, val_source, cfg, accelerator))
-        if accelerator.is_main_process:
-            with open(metrics_file, "a") as handle:
-                handle.write(json.dumps(last) + "\n")
-            if cfg.logging.wandb:
-                accelerator.log({k: v for k, v in last.items() if k != "step"}, step=step + 1)
-        progress.update(last)
-        if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            check_finite(accelerator, model, optimizer, step + 1, run_dir)
-            save_checkpoint(accelerator, run_dir, step + 1, t.keep_last, trainer_state)
-    progress.close()
+            accelerator.log({k: v for k, v in last.items() if k != "step"}, step=step + 1)
+    progress.update(last)
+    if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
+        check_finite(accelerator, run.model, run.optimizer, step + 1, run.run_dir)
+        save_checkpoint(accelerator, run.run_dir, step + 1, t.keep_last, run.trainer_state)
+
+
+def _finish_run(run: _Run, last: dict) -> None:
+    """Save the final model (and, with wandb, log it as an artifact with the last validation
+    metrics) on the main process, then wait for every process."""
+    accelerator, cfg = run.accelerator, run.cfg
     if accelerator.is_main_process:
-        save_model(accelerator.unwrap_model(model), run_dir / "final")
+        save_model(accelerator.unwrap_model(run.model), run.run_dir / "final")
         if cfg.logging.wandb:
             from .tracking import log_model_artifact
-            log_model_artifact(accelerator.get_tracker("wandb", unwrap=True), run_dir / "final",
-                               metadata={"step": t.steps, **{k: v for k, v in last.items()
-                                                             if k.startswith("val/")}})
+            log_model_artifact(accelerator.get_tracker("wandb", unwrap=True),
+                               run.run_dir / "final",
+                               metadata={"step": cfg.train.steps,
+                                         **{k: v for k, v in last.items()
+                                            if k.startswith("val/")}})
     accelerator.wait_for_everyone()
-    return last
 
 
 def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dict) -> None:

@@ -169,6 +169,20 @@ def test_cli_table_and_hydra_overrides(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+GOLDEN_TABLES = Path(__file__).with_name("golden_cost_tables.json")
+
+
+@pytest.mark.parametrize("name", ["tiny", "deepseek_v41_flash", "dense", "swa", "yoco"])
+def test_rendered_table_matches_the_golden_text(name):
+    """The whole table, byte for byte, as it was when render/report were split into per-section
+    helpers (tests/unit/golden_cost_tables.json): with and without a decoder, paper scale and
+    tiny. Regenerate the file deliberately when the table is meant to change."""
+    from ced.cost import render
+    seq_len = 131072 if name == "deepseek_v41_flash" else 4096
+    expected = json.loads(GOLDEN_TABLES.read_text())[name]
+    assert render(report(load(name), seq_len=seq_len)) == expected
+
+
 # ---- 3. storage formats -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, values, expected", [
