@@ -34,6 +34,10 @@ import pandas as pd
 from ced.tracking import checkpoint_label
 
 FULL = "full"
+# A family whose exact-model (`full`) accuracy is below this has no competence for bounded
+# replay to lose: its "drops" are noise around an untrained model (issue 9), and the summary
+# says so instead of letting a zero-drop count read as "replay is harmless".
+COMPETENT_ACCURACY = 0.8
 
 
 # ---- loaders --------------------------------------------------------------------------------
@@ -300,6 +304,7 @@ def headline_summary(points: pd.DataFrame, marks: dict, div_tab: pd.DataFrame,
         full = part.loc[part["mode"] == FULL, "accuracy"].mean()
         lines.append(f"{job}: suite accuracy (mean over {part['family'].nunique()} families, "
                      f"{part['run'].nunique()} seed(s)): full {full:.2f}{steps}.")
+        lines.append(competence_line(job, part))
     if not div_tab.empty and "kl" in div_tab:
         bounded = div_tab[div_tab["mode"].str.match(r"replay=\d+$")]
         for job, part in bounded.groupby(bounded["job"].map(job_of_label), sort=False):
@@ -310,6 +315,19 @@ def headline_summary(points: pd.DataFrame, marks: dict, div_tab: pd.DataFrame,
     lines.append(f"Capability drops (a mode significantly below full): {len(drop_tab)}"
                  + (" cells, listed at the end." if len(drop_tab) else "."))
     return lines
+
+
+def competence_line(job: str, part: pd.DataFrame) -> str:
+    """Which families job's exact model can do (mean `full` accuracy over seeds >=
+    COMPETENT_ACCURACY); a capability drop means something only for those."""
+    full = part[part["mode"] == FULL].groupby("family")["accuracy"].mean()
+    able = [family for family, accuracy in full.items() if accuracy >= COMPETENT_ACCURACY]
+    if not able:
+        return (f"{job}: **no family reaches {COMPETENT_ACCURACY} in full**: the model cannot do "
+                "these tasks yet, so no replay length can show a capability drop; the numbers "
+                "below are not findings.")
+    return (f"{job}: full reaches >= {COMPETENT_ACCURACY} on {', '.join(able)}; drops in other "
+            "families measure a model that cannot do them.")
 
 
 def _fmt(value) -> str:

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from matplotlib.collections import PolyCollection
 
-from evals import plots
+from evals import plots, report
 from evals.report import build_report, headline_points, report_scalars
 
 W, R_EXACT, REPLAYS = 8, 20, [2, 4, 8]
@@ -133,3 +133,14 @@ def test_report_scalars_reuse_the_suite_and_divergence_scalars(tmp_path):
     assert scalars["acc/ced/seed0/recall/replay=2"] == pytest.approx(0.3)
     assert scalars["kl/ced/seed0/T=64/replay=2"] == pytest.approx(0.1)
     assert not [k for k in scalars if k.startswith("top1_agree") or "distance=" in k]
+
+
+def test_summary_says_which_families_the_exact_model_can_do():
+    points, _ = _points(seeds=2)                     # full 0.9 on every family
+    line = report.competence_line("ced", points)
+    assert line.startswith("ced: full reaches >= 0.8 on ") and all(f in line for f in FAMILIES)
+    weak = points.assign(accuracy=points["accuracy"].where(points["mode"] != "full", 0.3))
+    assert "no family reaches 0.8 in full" in report.competence_line("ced", weak)
+    one = weak.copy()
+    one.loc[(one["mode"] == "full") & (one["family"] == FAMILIES[0]), "accuracy"] = 0.95
+    assert f"on {FAMILIES[0]};" in report.competence_line("ced", one)
