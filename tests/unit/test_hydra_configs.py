@@ -7,7 +7,6 @@ Nothing here trains or starts a subprocess."""
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 
 import pytest
