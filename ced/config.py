@@ -101,6 +101,11 @@ class ModelConfig:
     max_seq_len: int = 2048
     dropout: float = 0.0
     tie_embeddings: bool = False
+    # Short causal token mixing at the input: position i's embedding plus a learned per-channel
+    # multiple of the embeddings of tokens i-1 .. i-shift_tokens (0: off). A function of the
+    # token ids alone, so it needs no cache and is the same under every replay policy; it turns
+    # associative recall into a one-step lookup (see CEDModel.embed_tokens).
+    shift_tokens: int = 0
     # Queries are processed in blocks of this many positions; a speed/memory knob only.
     attention_block: int = 128
     # How a top-k read is executed (same result either way, see `global_read_is_masked`):
@@ -213,6 +218,9 @@ def _validate(c: ModelConfig) -> None:
         _fail("attention_sink", "must be true or false", c.attention_sink)
     if not isinstance(c.tie_embeddings, bool):
         _fail("tie_embeddings", "must be true or false", c.tie_embeddings)
+    if isinstance(c.shift_tokens, bool) or not isinstance(c.shift_tokens, int) \
+            or not 0 <= c.shift_tokens <= 8:
+        _fail("shift_tokens", "must be an integer in [0, 8] (0: no token mixing)", c.shift_tokens)
     if not isinstance(c.kv_quant_aware, bool):
         _fail("kv_quant_aware", "must be true or false", c.kv_quant_aware)
     if isinstance(c.dropout, bool) or not isinstance(c.dropout, (int, float)) \

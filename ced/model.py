@@ -588,6 +588,9 @@ class CEDModel(nn.Module):
         self.cfg = cfg
         self.plan = build_plan(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # Row j-1 weighs the embedding of the token j positions back (see embed_tokens).
+        self.shift_weights = (nn.Parameter(torch.zeros(cfg.shift_tokens, cfg.d_model))
+                              if cfg.shift_tokens else None)
         self.blocks = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
         self.sources = nn.ModuleList(GlobalKVSource(cfg, s.compress_ratio)
                                      for s in self.plan.sources)
@@ -620,6 +623,30 @@ class CEDModel(nn.Module):
                    if keep_windows and b.attn.has_window else None for b in self.blocks]
         sources = [SourceKV.empty(cfg, s.compress_ratio, batch, like) for s in self.plan.sources]
         return ModelState(windows, sources)
+
+    def embed_tokens(self, tokens: Tensor, start: int = 0) -> Tensor:
+        """The first layer's input at positions [start, T) of tokens [B, T]: [B, T - start, D].
+
+        With cfg.shift_tokens = s > 0, position i gets embed(tokens[i]) plus
+        shift_weights[j-1] * embed(tokens[i-j]) for j = 1..s (nothing for i - j < 0): a short
+        causal depthwise convolution over the embeddings. It depends on token ids only, which
+        the forward and the engine both hold in full, so it adds no cache and behaves the same
+        under every replay start and prefix-cache policy. Its point: a value token that already
+        carries its key's embedding can be found by a single content match, which small models
+        learn in a few hundred steps instead of never (FINDINGS.md)."""
+        s = self.cfg.shift_tokens
+        if not s:
+            return self.embed(tokens[:, start:])
+        first = max(0, start - s)
+        e = self.embed(tokens[:, first:])
+        pad = s - (start - first)                 # positions before 0 contribute zeros
+        if pad:
+            e = torch.cat((e.new_zeros(e.shape[0], pad, e.shape[2]), e), dim=1)
+        n = e.shape[1] - s                        # = T - start; e[:, s + m] is position start + m
+        h = e[:, s:]
+        for j in range(1, s + 1):
+            h = h + self.shift_weights[j - 1] * e[:, s - j:s - j + n]
+        return h
 
     def run_layers(self, part: str, h: Tensor, positions: Tensor, state: ModelState,
                    ctx: ForwardContext, replay_starts: Tensor | None = None) -> Tensor:
@@ -689,7 +716,7 @@ class CEDModel(nn.Module):
                              want_aux=return_aux)
         state = self.empty_state(b, keep_windows=False)
         positions = torch.arange(t, device=input_ids.device)
-        h = self.drop(self.embed(input_ids))
+        h = self.drop(self.embed_tokens(input_ids))
         h = self.run_layers("encoder", h, positions, state, ctx, enc_starts)
         if cfg.has_decoder:
             self.feed_decoder_source(h, positions, state)

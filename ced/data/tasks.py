@@ -138,14 +138,19 @@ KV_RECALL_SWEEPS = (
 def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len: int = 1,
               key_alphabet: str = UPPER, value_alphabet: str = DIGITS,
               distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32,
-              queries: int = 1):
+              queries: int = 1, sep: str = ""):
     """Associative recall (zoology's MQAR): can the model look up a key's value?
 
-    context: `K=7 ` pairs, the queried one among them, filler around, then `?K=`; target `7`.
-    E.g. "Q=3 ba K=7 X=1 kolu T=0 ?K=" -> "7". Keys distinct; the queried pair has width
-    key_len + value_len + 2 and `distance` counts from its key's first byte.
+    context: `K7 ` pairs (key, then value), the queried one among them, filler around, then
+    `?K`; target `7`. E.g. "Q3 ba K7 X1 kolu T0 ?K" -> "7". Keys distinct; the queried pair has
+    width key_len + len(sep) + value_len + 1 and `distance` counts from its key's first byte.
+    The value follows its key directly and the query ends with the key, as in zoology's MQAR: the
+    answer is then "the token after the earlier occurrence of what I just read", which small
+    models learn (with ModelConfig.shift_tokens) in a few hundred steps. `sep` puts a separator
+    between key and value and after the queried key (sep="=" is this task's earlier format
+    "K=7 ", "?K="); FINDINGS.md measures how much slower that is to learn.
     queries > 1 (a training option, as in MQAR): `queries - 1` other keys are asked and
-    answered first, "... ?X=1 ?T=0 ?K=" -> "7"; their values are marked as answers too
+    answered first, "... ?X1 ?T0 ?K" -> "7"; their values are marked as answers too
     (meta["answer_spans"]), so one example supervises `queries` look-ups.
     """
     f = "kv_recall"
@@ -155,12 +160,17 @@ def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len:
     check_alphabet(f, "key_alphabet", key_alphabet)
     check_alphabet(f, "value_alphabet", value_alphabet)
     check_layout(f, distance, length, filler)
+    if not (isinstance(sep, str) and len(sep) <= 3
+            and all(c.isascii() and c.isprintable() and not c.isalnum() and c not in " ?"
+                    for c in sep)):
+        raise TaskParamError(f, "sep", f"must be a string of at most 3 ASCII punctuation "
+                             f"characters other than '?' (\"\" for none), got {sep!r}")
     if n_pairs > len(key_alphabet) ** key_len:
         raise TaskParamError(f, "n_pairs", f"must be <= {len(key_alphabet) ** key_len} (distinct "
                              f"keys of key_len {key_len} from key_alphabet), got {n_pairs}")
     keys = distinct_strings(rng, key_alphabet, key_len, n_pairs)
     values = ["".join(rng.choice(value_alphabet) for _ in range(value_len)) for _ in keys]
-    pairs = [f"{k}={v} " for k, v in zip(keys, values)]
+    pairs = [f"{k}{sep}{v} " for k, v in zip(keys, values)]
     queries = check_int(f, "queries", queries, 1)
     if queries > n_pairs:
         raise TaskParamError(f, "queries", f"must be <= n_pairs ({n_pairs}), got {queries}")
@@ -170,13 +180,13 @@ def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len:
     # Drawn only when asked for, so that queries=1 keeps the single-query examples as they were.
     asked = ([i for i in rng.sample(range(n_pairs), n_pairs) if i != q][:queries - 1]
              if queries > 1 else [])
-    query = "".join(f"?{keys[i]}={values[i]} " for i in asked) + f"?{keys[q]}="
+    query = "".join(f"?{keys[i]}{sep}{values[i]} " for i in asked) + f"?{keys[q]}{sep}"
     check_min_distance(f, distance, len(pairs[q]) + len(query))
     gap = None if distance is None else distance - len(pairs[q]) - len(query)
     context, (offset,) = layout(rng, f, [pairs[q]], others, query, [gap], length, filler)
     spans, at = [], len(context) - len(query)
     for i in asked:
-        at += len(keys[i]) + 2
+        at += 1 + len(keys[i]) + len(sep)
         spans.append((at, len(values[i])))
         at += len(values[i]) + 1
     meta = {"distance": len(context) - offset}

@@ -194,7 +194,7 @@ class InferenceEngine:
         end = tokens.shape[1]
         ctx = ForwardContext(keep_windows=True, hidden=record_hidden)
         positions = torch.arange(encoder_from, end, device=tokens.device)
-        h = model.run_layers("encoder", model.embed(tokens[:, encoder_from:]), positions,
+        h = model.run_layers("encoder", model.embed_tokens(tokens, encoder_from), positions,
                              cache.state, ctx)
         if self.cfg.has_decoder:
             model.feed_decoder_source(h, positions, cache.state)

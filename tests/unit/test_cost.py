@@ -237,10 +237,10 @@ def test_flash_config_round_trips(flash):
 # ---- 5. parameters: the real model, and hand-computed paper-style parts ---------------------
 
 @pytest.mark.parametrize("variant", ["dense", "swa", "yoco", "ced"])
-@pytest.mark.parametrize("topk, tie", [(None, False), (2, True)])
-def test_params_match_the_model(variant, topk, tie):
+@pytest.mark.parametrize("topk, tie, shift", [(None, False, 0), (2, True, 2), (None, False, 3)])
+def test_params_match_the_model(variant, topk, tie, shift):
     cfg = tiny_config(variant, topk=topk, tie_embeddings=tie, decoder_reindex_every=1,
-                      encoder_compress_ratio=3, window=4)
+                      encoder_compress_ratio=3, window=4, shift_tokens=shift)
     model = CEDModel(cfg)
     assert model_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
     dec_src = model.plan.decoder_source

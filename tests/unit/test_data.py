@@ -27,9 +27,15 @@ FAMILIES = ["kv_recall", "copy", "variable_tracking", "running_state", "needle"]
 
 
 # ---- reference solvers: parse the context, compute the answer -----------------------------
-def solve_kv_recall(ctx: str) -> str:
-    body, key = re.fullmatch(r"(.*)\?(\w+)=", ctx, re.S).groups()
-    pairs = re.findall(r"(?<![\w=])(\w+)=(\w+) ", body)
+def kv_pairs(text: str, sep: str = "") -> dict[str, str]:
+    """The `KEY<sep>VALUE ` pairs of a kv_recall context (default alphabets: keys A-Z, values
+    0-9; filler is lowercase), queries included when they carry a value."""
+    return dict(re.findall(rf"(?<![A-Za-z0-9])([A-Z]+){re.escape(sep)}([0-9]+) ", text))
+
+
+def solve_kv_recall(ctx: str, sep: str = "") -> str:
+    body, key = re.fullmatch(rf"(.*)\?([A-Z]+){re.escape(sep)}", ctx, re.S).groups()
+    pairs = re.findall(rf"(?<![A-Za-z0-9])([A-Z]+){re.escape(sep)}([0-9]+) ", body)
     values = [v for k, v in pairs if k == key]
     assert len(values) == 1, (ctx, key)
     return values[0]
@@ -140,8 +146,8 @@ def test_answer_recoverable_from_context(family):
 def fact_of(ex) -> str:
     """A regex for the fact whose distance the generator controls."""
     if ex.family == "kv_recall":
-        key = ex.context.rsplit("?", 1)[1][:-1]
-        return rf"(?<![\w=]){key}={ex.target} "
+        key = ex.context.rsplit("?", 1)[1]
+        return rf"(?<![A-Za-z0-9]){key}{ex.target} "
     if ex.family == "copy":
         return f"<{ex.target}> "
     ident = re.search(r"\?id (\d+) code $", ex.context).group(1)
@@ -150,7 +156,7 @@ def fact_of(ex) -> str:
 
 @pytest.mark.parametrize("family", ["kv_recall", "copy", "needle"])
 def test_distance_and_length_honoured(family):
-    minimum = {"kv_recall": 7, "copy": 11, "needle": 30}[family]
+    minimum = {"kv_recall": 5, "copy": 11, "needle": 30}[family]
     for distance in (minimum, minimum + 1, 50, 257):
         for length in (None, 300, 600):
             for seed in range(8):
@@ -194,7 +200,7 @@ def test_layout_moves_content_only():
     """One seed, different layouts: same facts, same query, same answer."""
     a = make_example("kv_recall", 3, n_pairs=6)
     b = make_example("kv_recall", 3, n_pairs=6, distance=100, length=400)
-    pairs = lambda ex: sorted(re.findall(r"\w+=\w+ ", ex.context))   # noqa: E731
+    pairs = lambda ex: sorted(kv_pairs(ex.context).items())   # noqa: E731
     assert pairs(a) == pairs(b) and a.target == b.target
     assert a.context.rsplit("?", 1)[1] == b.context.rsplit("?", 1)[1]
 
@@ -216,7 +222,7 @@ def test_chance_accuracy():
 @pytest.mark.parametrize("family, params, key", [
     ("kv_recall", {"n_pair": 3}, "data.tasks.kv_recall.n_pair"),
     ("kv_recall", {"n_pairs": 27}, "data.tasks.kv_recall.n_pairs"),
-    ("kv_recall", {"distance": 5}, "data.tasks.kv_recall.distance"),
+    ("kv_recall", {"distance": 4}, "data.tasks.kv_recall.distance"),
     ("kv_recall", {"value_alphabet": "1=2"}, "data.tasks.kv_recall.value_alphabet"),
     ("copy", {"span_len": 0}, "data.tasks.copy.span_len"),
     ("needle", {"distance": 50, "length": 60}, "data.tasks.needle.length"),
@@ -501,23 +507,45 @@ def test_conf_files_and_hydra_schema():
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("queries", [2, 4, 6])
-def test_kv_recall_queries_mark_every_answer(seed, queries):
+@pytest.mark.parametrize("sep", ["", "="])
+def test_kv_recall_queries_mark_every_answer(seed, queries, sep):
     """Multi-query kv_recall (training option): every marked context span is the value of the
     key asked just before it, the keys asked are distinct, and the final query is the target."""
-    ex = make_example("kv_recall", seed, n_pairs=6, queries=queries, filler=8)
-    pairs = dict(p.split("=") for p in ex.context.split(" ") if len(p) == 3 and p[1] == "=")
+    ex = make_example("kv_recall", seed, n_pairs=6, queries=queries, filler=8, sep=sep)
+    pairs = kv_pairs(ex.context.split("?")[0], sep)
+    assert len(pairs) == 6
     spans = ex.meta["answer_spans"]
     assert len(spans) == queries - 1
     asked = []
     for start, size in spans:
-        assert ex.context[start - 3:start - 1] == "?" + ex.context[start - 2] and \
-            ex.context[start - 1] == "="
-        key = ex.context[start - 2]
+        key = ex.context[start - 1 - len(sep)]
+        assert ex.context[start - 2 - len(sep):start] == f"?{key}{sep}"
         assert ex.context[start:start + size] == pairs[key]
         asked.append(key)
-    final = ex.context[-2]
-    assert ex.context.endswith(f"?{final}=") and ex.target == pairs[final]
+    final = ex.context[-1 - len(sep)]
+    assert ex.context.endswith(f"?{final}{sep}") and ex.target == pairs[final]
     assert len(set(asked + [final])) == queries
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kv_recall_value_follows_its_key(seed):
+    """The default format is zoology's: `K7 ` pairs and a query ending with the key, so the
+    answer is the token after the key's earlier occurrence; sep="=" restores `K=7 ` / `?K=`."""
+    plain = make_example("kv_recall", seed, filler=0)
+    marked = make_example("kv_recall", seed, filler=0, sep="=")
+    assert plain.context.endswith("?" + plain.context[-1]) and "=" not in plain.context
+    assert marked.context.endswith("=") and marked.target == plain.target
+    assert solve_kv_recall(plain.context) == solve_kv_recall(marked.context, "=") == plain.target
+    assert marked.context.replace("=", "") == plain.context
+    # the separator widens the fact, every later pair and the query by one token each
+    d = marked.meta["distance"]
+    assert d == plain.meta["distance"] + marked.context[-(d - 1):].count("=")
+
+
+@pytest.mark.parametrize("sep", ["?", " ", "a", "1", "====", 3])
+def test_kv_recall_sep_must_be_punctuation(sep):
+    with pytest.raises(ValueError, match="data.tasks.kv_recall.sep"):
+        make_example("kv_recall", 0, sep=sep)
 
 
 def test_kv_recall_single_query_examples_unchanged_by_the_option():
@@ -541,12 +569,12 @@ def test_rows_mark_context_answers_for_multi_query_examples():
         marked = batch["answer_mask"][row].nonzero().flatten().tolist()
         values = [p for p in marked if labels[p] != TOK.eos]
         assert values
-        for p in values:     # each marked value follows "?K=" and equals K's value in context
-            assert TOK.decode(ids[p - 2:p + 1])[0] == "?" and TOK.decode(ids[p:p + 1]) == "="
+        for p in values:     # each marked value follows "?K" and equals K's value in context
+            assert TOK.decode(ids[p - 1:p + 1])[0] == "?"
             start = max(i for i in range(p + 1) if ids[i] == TOK.bos)
             text = TOK.decode(ids[start + 1:p + 1])
-            key = text[-2]
-            assert f"{key}={TOK.decode([labels[p]])} " in text.split("?")[0]
+            key = text[-1]
+            assert kv_pairs(text.split("?")[0])[key] == TOK.decode([labels[p]])
 
 
 def test_curriculum_ramps_filler_on_training_rows_only():

@@ -22,7 +22,7 @@ def test_requested_family_without_points_is_an_error_naming_what_it_needs():
         build_documents(settings([4]), 1, families=["recall", "short"])
     message = str(err.value)
     assert message.startswith("family short: no points for these settings (replays [4]")
-    assert "short needs a replay N >= 8" in message and "\n" not in message
+    assert "short needs a replay N >= 6" in message and "\n" not in message
 
 
 def test_the_same_family_with_a_long_enough_replay_has_documents():
