@@ -52,7 +52,8 @@ def test_loss_on_answers_learns_retrieval_that_the_full_loss_does_not(tmp_path):
 # ModelConfig.shift_tokens: with the input's token mixing a small yoco finds each key's value by
 # content in 250 steps (measured 0.97, about 150 s on one thread; 0.82 at step 200); without it
 # the same rows stay at the key-blind ceiling of about 0.38 (FINDINGS.md section 0). Batch 64:
-# at batch 32 the same number of rows did not get there.
+# at batch 32 the same number of rows did not get there. W 16 holds about one whole example, which
+# keeps the query away from earlier examples packed into the same row (FINDINGS.md 0.2).
 RECALL = ["model=yoco", "model.d_model=128", "model.n_heads=4", "model.n_encoder_layers=2",
           "model.n_decoder_layers=2", "model.window=16", "model.max_seq_len=64",
           "train.seq_len=64", "train.batch_size=64", "train.steps=250", "train.eval_every=250",
