@@ -40,6 +40,9 @@ class DataConfig:
       component without `seed` inherits this one.
     seed: seeds every random choice (example draws, window offsets, mixture picks).
     curriculum_rows (synthetic): see the field's comment below.
+    examples_per_row (synthetic): at most this many examples per row, the rest padding; None
+      (default): as many as fit. 1 keeps a query from seeing other examples' facts, which
+      attention otherwise does (it is not reset at BOS; FINDINGS.md 0.2).
     """
 
     kind: str = "synthetic"
@@ -62,6 +65,7 @@ class DataConfig:
     # indices (step * batch_size + ...), so the curriculum spans curriculum_rows / batch_size
     # steps whatever the process count. Validation rows always have the full spread.
     curriculum_rows: int = 0
+    examples_per_row: Optional[int] = None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(DataConfig))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -81,8 +81,10 @@ class SyntheticSource(_RowSource):
     """Rows of packed synthetic examples. tasks: name -> (family, weight, params)."""
 
     def __init__(self, tasks: dict[str, tuple[str, float, dict]], seed: int, split: str,
-                 key: str = "data", curriculum_rows: int = 0):
+                 key: str = "data", curriculum_rows: int = 0,
+                 examples_per_row: Optional[int] = None):
         self.families = list(tasks)
+        self.examples_per_row = examples_per_row
         self.tasks, self.seed, self.split, self.key = tasks, seed, split, key
         self.curriculum_rows = curriculum_rows if split == "train" else 0
         self._weights = [w for _, w, _ in tasks.values()]
@@ -114,6 +116,7 @@ class SyntheticSource(_RowSource):
         ids: list[int] = []
         mask = torch.zeros(seq_len, dtype=torch.bool)
         fams = torch.full((seq_len,), -1, dtype=torch.long)
+        placed = 0
         for attempt in range(1000):
             t = rng.choices(range(len(self.families)), weights=self._weights)[0]
             family, _, params = self.tasks[self.families[t]]
@@ -132,6 +135,9 @@ class SyntheticSource(_RowSource):
                 mask[len(ids) + start:len(ids) + start + size] = True
                 fams[len(ids) + start:len(ids) + start + size] = t
             ids += prompt + answer
+            placed += 1
+            if placed == self.examples_per_row:    # None: as many as fit
+                break
         else:
             raise ValueError(f"{self.key}.tasks: no example fits seq_len={seq_len} in 1000 draws")
         input_ids = torch.tensor(ids + [_TOK.pad] * (seq_len - len(ids)), dtype=torch.long)
@@ -256,8 +262,11 @@ def _build(c: dict[str, Any], split: str, key: str) -> _RowSource:
 
     if kind == "synthetic":
         curriculum = check_int(f"{key}.curriculum_rows", c["curriculum_rows"], 0)
+        per_row = c.get("examples_per_row")
+        if per_row is not None:
+            per_row = check_int(f"{key}.examples_per_row", per_row, 1)
         return SyntheticSource(parse_tasks(c["tasks"], f"{key}.tasks", c["only"]), seed, split,
-                               key, curriculum)
+                               key, curriculum, per_row)
 
     if kind == "mixture":
         comps = plain(c["mixture"])

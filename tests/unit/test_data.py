@@ -600,3 +600,23 @@ def test_curriculum_ramps_filler_on_training_rows_only():
                        val_plain.rows(0, 8, 256)["input_ids"])
     with pytest.raises(ValueError, match="data.curriculum_rows"):
         build_source({"kind": "synthetic", "curriculum_rows": -1}, "train")
+
+
+@pytest.mark.parametrize("per_row", [1, 2])
+def test_examples_per_row_caps_the_packing(per_row):
+    """data.examples_per_row: at most that many examples (BOS tokens) per row, the rest padding;
+    the default packs as many as fit, and a bad value names the key."""
+    tasks = {"kv_recall": {"weight": 1.0, "filler": 0}, "copy": {"weight": 1.0, "filler": 0}}
+    packed = build_source({"tasks": tasks, "only": list(tasks)}, "train").rows(0, 16, 128)
+    capped = build_source({"tasks": tasks, "only": list(tasks), "examples_per_row": per_row},
+                          "train").rows(0, 16, 128)
+    assert ((packed["input_ids"] == TOK.bos).sum(1) > per_row).all()
+    assert ((capped["input_ids"] == TOK.bos).sum(1) == per_row).all()
+    # the first example of each row is the same draw either way
+    first = (capped["input_ids"] == TOK.pad).int().argmax(1) if per_row == 1 else None
+    if first is not None:
+        for row in range(16):
+            n = int(first[row])
+            assert torch.equal(capped["input_ids"][row, :n], packed["input_ids"][row, :n])
+    with pytest.raises(ValueError, match="data.examples_per_row"):
+        build_source({"tasks": tasks, "only": list(tasks), "examples_per_row": 0}, "train")
