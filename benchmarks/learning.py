@@ -57,8 +57,8 @@ def build_model(name: str, args: argparse.Namespace) -> torch.nn.Module:
     return CEDModel(ModelConfig(
         variant=name, d_model=args.d_model, n_heads=args.heads, n_encoder_layers=encoder,
         n_decoder_layers=args.layers - encoder, window=args.window,
-        topk=(args.topk or None) if name == "ced" else None, global_from_layer=1, encoder_kv_groups=1,
-        shift_tokens=args.shift_tokens, max_seq_len=args.seq_len))
+        topk=(args.topk or None) if name == "ced" else None, global_from_layer=1,
+        encoder_kv_groups=1, shift_tokens=args.shift_tokens, max_seq_len=args.seq_len))
 
 
 def exact_match(model: torch.nn.Module, batch: dict, families: list[str]) -> dict[str, float]:
@@ -145,7 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--window", type=int, default=16)
-    p.add_argument("--topk", type=int, default=16, help="ced: top-k of the sparse read (0: read all)")
+    p.add_argument("--topk", type=int, default=16,
+                   help="ced: top-k of the sparse read (0: read every visible entry)")
     p.add_argument("--shift-tokens", type=int, default=0,
                    help="ced variants: ModelConfig.shift_tokens (input token mixing, 0: off)")
     p.add_argument("--curriculum-rows", type=int, default=0,
@@ -176,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # `only`: the tasks named, not every registered one
     data = {"kind": "synthetic", "tasks": args.task_config, "only": list(args.task_config),
-            "seed": 0, "curriculum_rows": args.curriculum_rows}       # only the tasks named, not every registered one
+            "seed": 0, "curriculum_rows": args.curriculum_rows}
     train, valid_source = build_source(data, "train"), build_source(data, "validation")
     families = train.families
     valid = valid_source.rows(0, args.valid_rows, args.seq_len)

@@ -254,10 +254,15 @@ def layer_costs(cfg: ModelConfig) -> list[LayerCost]:
     return out
 
 
+def _embedding_params(cfg: ModelConfig) -> int:
+    """The token embedding plus the input token-mixing weights (ModelConfig.shift_tokens)."""
+    return (cfg.vocab_size + cfg.shift_tokens) * cfg.d_model
+
+
 def model_params(cfg: ModelConfig) -> dict[str, int]:
     """Whole-model parameter counts: embedding, lm_head (0 when tied), final norm, layers."""
     layers = layer_costs(cfg)
-    emb = (cfg.vocab_size + cfg.shift_tokens) * cfg.d_model     # + token-shift weights
+    emb = _embedding_params(cfg)
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
     counts = {"embedding": emb, "lm_head": head, "final_norm": cfg.d_model,
               "layers_total": sum(lc.total for lc in layers),
@@ -278,7 +283,7 @@ def active_params(cfg: ModelConfig) -> dict[str, int]:
     Variants without a decoder have no early exit: all three are the full depth.
     """
     layers = layer_costs(cfg)
-    emb = (cfg.vocab_size + cfg.shift_tokens) * cfg.d_model     # + token-shift weights
+    emb = _embedding_params(cfg)
     head = cfg.vocab_size * cfg.d_model
     norms = cfg.d_model                                     # final norm
     enc = sum(lc.active for lc in layers if lc.part == "encoder")

@@ -642,10 +642,9 @@ class CEDModel(nn.Module):
         pad = s - (start - first)                 # positions before 0 contribute zeros
         if pad:
             e = torch.cat((e.new_zeros(e.shape[0], pad, e.shape[2]), e), dim=1)
-        n = e.shape[1] - s                        # = T - start; e[:, s + m] is position start + m
-        h = e[:, s:]
+        h = e[:, s:]                              # e[:, s + m] is position start + m
         for j in range(1, s + 1):
-            h = h + self.shift_weights[j - 1] * e[:, s - j:s - j + n]
+            h = h + self.shift_weights[j - 1] * e[:, s - j:e.shape[1] - j]
         return h
 
     def run_layers(self, part: str, h: Tensor, positions: Tensor, state: ModelState,

@@ -27,16 +27,19 @@ FAMILIES = ["kv_recall", "copy", "variable_tracking", "running_state", "needle"]
 
 
 # ---- reference solvers: parse the context, compute the answer -----------------------------
+def kv_pair_list(text: str, sep: str = "") -> list[tuple[str, str]]:
+    """The `KEY<sep>VALUE ` pairs of a kv_recall context in order (default alphabets: keys A-Z,
+    values 0-9; filler is lowercase), queries included when they carry a value."""
+    return re.findall(rf"(?<![A-Za-z0-9])([A-Z]+){re.escape(sep)}([0-9]+) ", text)
+
+
 def kv_pairs(text: str, sep: str = "") -> dict[str, str]:
-    """The `KEY<sep>VALUE ` pairs of a kv_recall context (default alphabets: keys A-Z, values
-    0-9; filler is lowercase), queries included when they carry a value."""
-    return dict(re.findall(rf"(?<![A-Za-z0-9])([A-Z]+){re.escape(sep)}([0-9]+) ", text))
+    return dict(kv_pair_list(text, sep))
 
 
 def solve_kv_recall(ctx: str, sep: str = "") -> str:
     body, key = re.fullmatch(rf"(.*)\?([A-Z]+){re.escape(sep)}", ctx, re.S).groups()
-    pairs = re.findall(rf"(?<![A-Za-z0-9])([A-Z]+){re.escape(sep)}([0-9]+) ", body)
-    values = [v for k, v in pairs if k == key]
+    values = [v for k, v in kv_pair_list(body, sep) if k == key]
     assert len(values) == 1, (ctx, key)
     return values[0]
 

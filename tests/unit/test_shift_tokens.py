@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ced import ModelConfig
 from conftest import TOL, VOCAB, engine_logits, make_model, random_ids, tiny_config
 
 
