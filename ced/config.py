@@ -106,6 +106,12 @@ class ModelConfig:
     # token ids alone, so it needs no cache and is the same under every replay policy; it turns
     # associative recall into a one-step lookup (see CEDModel.embed_tokens).
     shift_tokens: int = 0
+    # Standard deviation of those per-channel weights at init. Zero starts the model as the
+    # plain embedding, which is a saddle: the attention that would use the previous token's
+    # embedding gets no gradient while the weights are zero, and the weights none while no
+    # attention uses them; small models then take thousands of steps to learn recall, or never
+    # (FINDINGS.md 0.4). A random init (1.0) breaks it.
+    shift_init: float = 1.0
     # Queries are processed in blocks of this many positions; a speed/memory knob only.
     attention_block: int = 128
     # How a top-k read is executed (same result either way, see `global_read_is_masked`):
@@ -221,6 +227,10 @@ def _validate(c: ModelConfig) -> None:
     if isinstance(c.shift_tokens, bool) or not isinstance(c.shift_tokens, int) \
             or not 0 <= c.shift_tokens <= 8:
         _fail("shift_tokens", "must be an integer in [0, 8] (0: no token mixing)", c.shift_tokens)
+    if isinstance(c.shift_init, bool) or not isinstance(c.shift_init, (int, float)) \
+            or not 0.0 <= c.shift_init < float("inf"):
+        _fail("shift_init", "must be a finite number >= 0 (the init std of the token-mixing "
+              "weights; 0: start as the plain embedding)", c.shift_init)
     if not isinstance(c.kv_quant_aware, bool):
         _fail("kv_quant_aware", "must be true or false", c.kv_quant_aware)
     if isinstance(c.dropout, bool) or not isinstance(c.dropout, (int, float)) \

@@ -69,10 +69,36 @@ def window_lower_bound(query_positions: Tensor, window: int | None,
     lower = lower.clamp(min=0) if window is not None else torch.zeros_like(query_positions)
     lower = lower[None, :]
     if replay_starts is not None:
-        applies = replay_starts[:, None, :] <= query_positions[None, :, None]   # [B, Tq, K]
-        latest = torch.where(applies, replay_starts[:, None, :], 0).amax(dim=-1)
-        lower = torch.maximum(lower, latest)
+        lower = torch.maximum(lower, latest_start(query_positions, replay_starts))
     return lower
+
+
+def latest_start(query_positions: Tensor, starts: Tensor) -> Tensor:
+    """s(i): the latest start <= i per row and query (0 where none applies).
+    query_positions LongTensor[Tq], starts LongTensor[B, K] -> LongTensor[B, Tq]."""
+    applies = starts[:, None, :] <= query_positions[None, :, None]              # [B, Tq, K]
+    return torch.where(applies, starts[:, None, :], 0).amax(dim=-1)
+
+
+def merge_starts(*starts: Tensor | None) -> Tensor | None:
+    """Several start tensors [B, K_i] (None: none) as one [B, sum K_i]: a query is truncated at
+    the latest start of any of them (replay starts and document starts alike)."""
+    given = [s for s in starts if s is not None]
+    if not given:
+        return None
+    return given[0] if len(given) == 1 else torch.cat(given, dim=1)
+
+
+def first_visible_entry(query_positions: Tensor, compress_ratio: int,
+                        document_starts: Tensor | None) -> Tensor | None:
+    """Document mask of the global read: the first entry each query may read, ceil(d(i) / m)
+    with d(i) the latest document start <= i (an entry visible to query i must also begin at
+    or after d(i); an entry that straddles d(i) is complete for no query of either document).
+    LongTensor[B, Tq], or None without document starts (every entry from 0)."""
+    if document_starts is None:
+        return None
+    d = latest_start(query_positions, document_starts)
+    return torch.div(d + compress_ratio - 1, compress_ratio, rounding_mode="floor")
 
 
 def visible_entries(query_positions: Tensor, compress_ratio: int) -> Tensor:
@@ -94,7 +120,7 @@ def round_scores(scores: Tensor, visible: Tensor) -> Tensor:
     kernel computed it (barring a value within kernel error of a grid boundary), so equal
     scores stay equal and the tie rule decides them identically on every path.
 
-    scores [B, Tq, E]; visible bool [Tq, E]. The grid is a power of two (from frexp) and the
+    scores [B, Tq, E]; visible bool [Tq, E] or [B, Tq, E]. The grid is a power of two (from frexp) and the
     division by it exact, so rounding adds no error of its own; the rounding is half-to-even."""
     if scores.shape[-1] == 0:
         return scores.detach()
@@ -105,22 +131,35 @@ def round_scores(scores: Tensor, visible: Tensor) -> Tensor:
     return torch.round(scores.detach() / grid) * grid
 
 
-def select_entries(scores: Tensor, n_visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def entry_visibility(n_entries: int, n_visible: Tensor, first: Tensor | None) -> Tensor:
+    """Which of `n_entries` entries each query may read: j < n_visible[i] and, under a document
+    mask, j >= first[b, i]. BoolTensor[Tq, E], or [B, Tq, E] when `first` [B, Tq] is given."""
+    entry = torch.arange(n_entries, device=n_visible.device)
+    visible = entry[None, :] < n_visible[:, None]                             # [Tq, E]
+    if first is not None:
+        visible = visible[None] & (entry[None, None, :] >= first[:, :, None])
+    return visible
+
+
+def select_entries(scores: Tensor, n_visible: Tensor, k: int,
+                   first: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Top-k visible entries per query; among equal scores the lower entry index wins.
 
     Scores are compared after `round_scores` (batch-invariant selection: a near-tie that two
     kernels would break differently in the last bit is an exact tie, decided by the index).
-    scores: [B, Tq, E]; n_visible: LongTensor[Tq]. Returns (index, valid), both [B, Tq, min(k, E)];
-    slots with valid=False are padding (fewer than k visible) and must be masked by the reader.
+    scores: [B, Tq, E]; n_visible: LongTensor[Tq]; first: LongTensor[B, Tq] or None, the
+    document mask's first readable entry (`first_visible_entry`). Returns (index, valid), both
+    [B, Tq, min(k, E)]; slots with valid=False are padding (fewer than k visible) and must be
+    masked by the reader.
     """
     n_entries = scores.shape[-1]
     k = min(k, n_entries)
-    entry = torch.arange(n_entries, device=scores.device)
-    visible = entry[None, :] < n_visible[:, None]                             # [Tq, E]
+    visible = entry_visibility(n_entries, n_visible, first)
     # +0.0 turns -0.0 into +0.0 so that a sort cannot order the two zeros apart.
     key = torch.where(visible, -(round_scores(scores, visible) + 0.0), torch.inf)
     index = torch.sort(key, dim=-1, stable=True).indices[..., :k]
-    valid = torch.arange(k, device=scores.device)[None, :] < n_visible[:, None]  # [Tq, k]
+    count = n_visible[None, :] if first is None else (n_visible[None, :] - first).clamp(min=0)
+    valid = torch.arange(k, device=scores.device)[None, None, :] < count[..., None]  # [B|1, Tq, k]
     return index, valid.expand(scores.shape[0], -1, -1)
 
 
@@ -209,6 +248,9 @@ class ForwardContext:
     # When a dict, each layer's output hidden state [B, T, D] is recorded under its index
     # (evaluation: per-layer divergence of a bounded replay).
     hidden: dict[int, Tensor] | None = None
+    # Document mask (training on packed rows): LongTensor[B, K] of positions where documents
+    # start; None: one document per row. See CEDModel.forward.
+    document_starts: Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +299,8 @@ def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
 def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
            source: SourceKV | None, selection: Selection | None, sink: Tensor | None,
            block: int, want_global_probs: bool = False,
-           global_read: str = "auto") -> tuple[Tensor, Tensor | None]:
+           global_read: str = "auto", first_entry: Tensor | None = None
+           ) -> tuple[Tensor, Tensor | None]:
     """Attention of queries over their window keys and global entries, in query blocks.
 
     q: [B, H, Tq, Dh] (rotated) at query_positions [Tq]; lower: [B|1, Tq] from
@@ -266,7 +309,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     every visible entry; sink: [H] logits that only enter the denominator; global_read:
     how a top-k read runs per block (`ced.config.global_read_is_masked`: a gather of the k
     entries, or one matmul over the visible entries with the unselected ones masked; the same
-    softmax over the same entries either way).
+    softmax over the same entries either way); first_entry: [B, Tq] or None, the document
+    mask of a dense read (`first_visible_entry`; a top-k selection already respects it).
     Returns the output [B, H, Tq, Dh] and, if asked, the attention mass on global entries
     summed over heads, [B, Tq, k] (selected read) or [B, Tq, E] (dense read), detached.
 
@@ -312,8 +356,10 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 if masked:
                     hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
                 else:
-                    hidden = (torch.arange(n_read, device=q.device)[None, :]
-                              >= n_visible[c0:c1, None])[None, None]
+                    entry = torch.arange(n_read, device=q.device)
+                    hidden = (entry[None, :] >= n_visible[c0:c1, None])[None, None]
+                    if first_entry is not None:
+                        hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
                 logits.append(gl.masked_fill(hidden, -torch.inf))
         if sink is not None:
             logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c1 - c0, 1))
@@ -454,9 +500,10 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.cfg.n_heads, self.cfg.head_dim).transpose(1, 2)
 
-    def _select(self, x: Tensor, positions: Tensor, source: SourceKV,
+    def _select(self, x: Tensor, positions: Tensor, source: SourceKV, first: Tensor | None,
                 ctx: ForwardContext) -> Selection:
-        """Indexer scores for the current queries, block by block, and their top-k."""
+        """Indexer scores for the current queries, block by block, and their top-k (from the
+        entries the document mask `first` [B, T] leaves readable, when given)."""
         n_visible = visible_entries(positions, source.compress_ratio)
         x = x.detach()
         if ctx.dense_global_read:   # warm-up: read everything, train the indexer on all of it
@@ -466,7 +513,8 @@ class Attention(nn.Module):
         for c0 in range(0, x.shape[1], block):
             c1 = min(c0 + block, x.shape[1])
             scores = self.indexer.scores(x[:, c0:c1], source.index_keys)
-            index, valid = select_entries(scores, n_visible[c0:c1], self.cfg.topk)
+            index, valid = select_entries(scores, n_visible[c0:c1], self.cfg.topk,
+                                          None if first is None else first[:, c0:c1])
             picks.append(index)
             valids.append(valid)
             if ctx.want_aux:
@@ -495,9 +543,11 @@ class Attention(nn.Module):
                 keys = WindowKV(k, v, positions)
 
         selection = None
+        first = (first_visible_entry(positions, source.compress_ratio, ctx.document_starts)
+                 if source is not None else None)
         if source is not None and cfg.topk is not None:
             if self.indexer is not None:
-                selection = self._select(x, positions, source, ctx)
+                selection = self._select(x, positions, source, first, ctx)
                 ctx.selections[spec.global_source] = selection
             else:
                 selection = ctx.selections[spec.global_source]
@@ -506,9 +556,9 @@ class Attention(nn.Module):
         train_indexer = ctx.want_aux and self.indexer is not None
         out, global_probs = attend(q, positions, lower, keys, source, selection, self.sink,
                                    cfg.attention_block, want_global_probs=train_indexer,
-                                   global_read=cfg.global_read)
+                                   global_read=cfg.global_read, first_entry=first)
         if train_indexer:
-            ctx.indexer_kl.append(_indexer_kl(global_probs, selection, positions, source))
+            ctx.indexer_kl.append(_indexer_kl(global_probs, selection, positions, source, first))
 
         if window is not None and ctx.keep_windows:
             kept = 0
@@ -522,15 +572,15 @@ class Attention(nn.Module):
 
 
 def _indexer_kl(global_probs: Tensor, selection: Selection, positions: Tensor,
-                source: SourceKV) -> Tensor:
+                source: SourceKV, first: Tensor | None = None) -> Tensor:
     """KL(main attention over the candidates || softmax of indexer scores over them), averaged
     over queries with at least one candidate. The main distribution is detached."""
     if selection.index is not None:
         candidate = selection.valid
     else:
         n_visible = visible_entries(positions, source.compress_ratio)
-        candidate = (torch.arange(source.n_entries, device=positions.device)[None, :]
-                     < n_visible[:, None])[None].expand_as(selection.scores)
+        candidate = entry_visibility(source.n_entries, n_visible, first).expand_as(
+            selection.scores)
     target = global_probs.masked_fill(~candidate, 0.0)
     total = target.sum(-1, keepdim=True)
     has_candidates = candidate.any(-1) & (total[..., 0] > 0)
@@ -589,7 +639,7 @@ class CEDModel(nn.Module):
         self.plan = build_plan(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # Row j-1 weighs the embedding of the token j positions back (see embed_tokens).
-        self.shift_weights = (nn.Parameter(torch.zeros(cfg.shift_tokens, cfg.d_model))
+        self.shift_weights = (nn.Parameter(torch.empty(cfg.shift_tokens, cfg.d_model))
                               if cfg.shift_tokens else None)
         self.blocks = nn.ModuleList(Block(cfg, spec) for spec in self.plan.layers)
         self.sources = nn.ModuleList(GlobalKVSource(cfg, s.compress_ratio)
@@ -608,11 +658,23 @@ class CEDModel(nn.Module):
             std = 0.02 / math.sqrt(2 * cfg.n_layers)
             nn.init.normal_(block.attn.o.weight, std=std)
             nn.init.normal_(block.mlp.down.weight, std=std)
+        if self.shift_weights is not None:   # per-channel random weights: see cfg.shift_init
+            nn.init.normal_(self.shift_weights, std=cfg.shift_init)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
+
+    def encoder_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the encoder's layers and of its global KV sources (yoco, ced;
+        empty for variants without a decoder): what `optim.encoder_hold_steps` holds still.
+        The embedding, the decoder's KV source and everything above it are not included."""
+        if not self.cfg.has_decoder:
+            return []
+        modules = [self.blocks[spec.index] for spec in self.plan.part("encoder")]
+        modules += [self.sources[s.index] for s in self.plan.sources if s.part == "encoder"]
+        return [p for m in modules for p in m.parameters()]
 
     # ---- building blocks shared with the engine ------------------------------------------
 
@@ -624,7 +686,8 @@ class CEDModel(nn.Module):
         sources = [SourceKV.empty(cfg, s.compress_ratio, batch, like) for s in self.plan.sources]
         return ModelState(windows, sources)
 
-    def embed_tokens(self, tokens: Tensor, start: int = 0) -> Tensor:
+    def embed_tokens(self, tokens: Tensor, start: int = 0,
+                     document_starts: Tensor | None = None) -> Tensor:
         """The first layer's input at positions [start, T) of tokens [B, T]: [B, T - start, D].
 
         With cfg.shift_tokens = s > 0, position i gets embed(tokens[i]) plus
@@ -633,7 +696,8 @@ class CEDModel(nn.Module):
         the forward and the engine both hold in full, so it adds no cache and behaves the same
         under every replay start and prefix-cache policy. Its point: a value token that already
         carries its key's embedding can be found by a single content match, which small models
-        learn in a few hundred steps instead of never (FINDINGS.md)."""
+        learn in a few hundred steps instead of never (FINDINGS.md). Under a document mask
+        (document_starts [B, K]), tokens before position i's document start add nothing."""
         s = self.cfg.shift_tokens
         if not s:
             return self.embed(tokens[:, start:])
@@ -643,8 +707,14 @@ class CEDModel(nn.Module):
         if pad:
             e = torch.cat((e.new_zeros(e.shape[0], pad, e.shape[2]), e), dim=1)
         h = e[:, s:]                              # e[:, s + m] is position start + m
+        positions = torch.arange(start, tokens.shape[1], device=tokens.device)
+        document = (None if document_starts is None
+                    else latest_start(positions, document_starts)[..., None])   # [B, T, 1]
         for j in range(1, s + 1):
-            h = h + self.shift_weights[j - 1] * e[:, s - j:e.shape[1] - j]
+            shifted = self.shift_weights[j - 1] * e[:, s - j:e.shape[1] - j]
+            if document is not None:
+                shifted = shifted * (positions[None, :, None] - j >= document)
+            h = h + shifted
         return h
 
     def run_layers(self, part: str, h: Tensor, positions: Tensor, state: ModelState,
@@ -684,7 +754,7 @@ class CEDModel(nn.Module):
 
     def forward(self, input_ids: Tensor, decoder_replay_start: None | int | Tensor = None,
                 encoder_replay_start: None | int | Tensor = None, *, return_aux: bool = False,
-                dense_global_read: bool = False):
+                dense_global_read: bool = False, document_starts: None | Tensor = None):
         """Parallel forward. input_ids [B, T] -> logits [B, T, V].
 
         decoder_replay_start: None, int, LongTensor[B] or [B, K]: every decoder window query at
@@ -696,6 +766,12 @@ class CEDModel(nn.Module):
         return_aux: also return {"indexer_kl": scalar} (0 when there is no indexer).
         dense_global_read: read every visible global entry even when topk is set (indexer
         warm-up); the indexer KL then covers every visible entry.
+        document_starts: None, or LongTensor[B] / [B, K] of positions where a document starts
+        (training on packed rows, docs/semantics.md 7.1): a query at i sees nothing before the
+        latest document start d <= i, in every layer: window keys from d, global entries that
+        begin at or after d, input token mixing from d. Each document of a packed row is then
+        computed as if it stood alone (up to the compression blocks' alignment to d). The
+        engine has no such argument: a prompt is one document.
         """
         cfg = self.cfg
         if input_ids.dim() != 2:
@@ -711,11 +787,13 @@ class CEDModel(nn.Module):
                                       input_ids.device)
         enc_starts = as_replay_starts(encoder_replay_start, b, "encoder_replay_start",
                                       input_ids.device)
+        docs = as_replay_starts(document_starts, b, "document_starts", input_ids.device)
+        enc_starts, dec_starts = merge_starts(enc_starts, docs), merge_starts(dec_starts, docs)
         ctx = ForwardContext(keep_windows=False, dense_global_read=dense_global_read,
-                             want_aux=return_aux)
+                             want_aux=return_aux, document_starts=docs)
         state = self.empty_state(b, keep_windows=False)
         positions = torch.arange(t, device=input_ids.device)
-        h = self.drop(self.embed_tokens(input_ids))
+        h = self.drop(self.embed_tokens(input_ids, 0, docs))
         h = self.run_layers("encoder", h, positions, state, ctx, enc_starts)
         if cfg.has_decoder:
             self.feed_decoder_source(h, positions, state)

@@ -36,9 +36,9 @@ from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, ato
                          check_training_checkpoint, commit_directory, first_non_finite,
                          read_json, remove_orphans, save_model)
 from .cli import fail as _fail
-from .data import answer_accuracy, build_source
+from .data import ByteTokenizer, answer_accuracy, build_source
 from .model import CEDModel
-from .train_config import ConfigError, ReplaySimulation, TrainConfig, validate
+from .train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig, validate
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -75,6 +75,19 @@ def sample_replay_starts(sim: ReplaySimulation, row_ids: torch.Tensor, seq_len: 
 
 
 # ---- loss weights ------------------------------------------------------------------------------
+
+def document_starts(input_ids: torch.Tensor, enabled: bool) -> torch.Tensor | None:
+    """The document mask's starts of rows [B, T]: each row's BOS positions, LongTensor[B, K]
+    (K the most BOS in a row; shorter rows padded with 0, a start that truncates nothing), or
+    None when train.document_mask is off."""
+    if not enabled:
+        return None
+    is_bos = input_ids == ByteTokenizer.bos
+    k = max(1, int(is_bos.sum(-1).max())) if input_ids.numel() else 1
+    positions = torch.where(is_bos, torch.arange(input_ids.shape[1]), input_ids.shape[1])
+    starts = positions.sort(dim=-1).values[:, :k]
+    return torch.where(starts < input_ids.shape[1], starts, 0)
+
 
 def token_weights(batch: dict, loss_on: str, answer_weight: float) -> torch.Tensor:
     """Per-target loss weight FloatTensor[B, T]: 0 where there is no target (label -100);
@@ -310,8 +323,10 @@ def evaluate(model, source, cfg: TrainConfig, accelerator) -> dict[str, float]:
     for i in range(t.eval_batches):
         batch = source.rows(i * t.batch_size, t.batch_size, t.seq_len)
         labels = batch["labels"].to(accelerator.device)
+        docs = document_starts(batch["input_ids"], t.document_mask)
         with accelerator.autocast():
-            logits = model(batch["input_ids"].to(accelerator.device))
+            logits = model(batch["input_ids"].to(accelerator.device),
+                           document_starts=None if docs is None else docs.to(accelerator.device))
         per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                     ignore_index=-100, reduction="none")
         total_loss += per_token.sum().item()
@@ -441,6 +456,23 @@ def _rows_per_micro_batch(cfg: TrainConfig, world: int) -> tuple[int, int]:
     return per_micro, per_rank
 
 
+def param_groups(model: CEDModel, o: OptimConfig) -> list[dict]:
+    """AdamW's parameter groups: matrices decay, vectors (norms, sinks, token-mixing weights)
+    do not; the encoder's parameters (`CEDModel.encoder_parameters`) form groups of their own
+    (`"encoder": True`) so that `optim.encoder_hold_steps` can hold them still. Groups left
+    empty are dropped; the parameter order within the model is kept."""
+    encoder = {id(p) for p in model.encoder_parameters()}
+    groups = []
+    for in_encoder in (False, True):
+        for decays in (True, False):
+            params = [p for p in model.parameters()
+                      if (id(p) in encoder) == in_encoder and (p.dim() >= 2) == decays]
+            if params:
+                groups.append({"params": params, "encoder": in_encoder,
+                               "weight_decay": o.weight_decay if decays else 0.0})
+    return groups
+
+
 def _build_model_and_data(cfg: TrainConfig, accelerator):
     """The seeded model, its AdamW optimizer (both prepared by accelerate), and the training
     and validation sources: (model, optimizer, train_source, val_source). The seed is set
@@ -459,13 +491,9 @@ def _build_model_and_data(cfg: TrainConfig, accelerator):
     if cfg.model.vocab_size < 259:
         raise ConfigError(f"model.vocab_size: the byte tokenizer needs >= 259; got "
                           f"{cfg.model.vocab_size}")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
     o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    optimizer = torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2),
+                                  eps=o.eps)
     # The learning rate is a pure function of the step (set in `_train_step`), so there is no
     # scheduler state to save, and none of accelerate's per-process scheduler stepping to
     # account for.
@@ -531,8 +559,9 @@ def _train_step(run: _Run, step: int) -> dict:
     t, o, accelerator = run.cfg.train, run.cfg.optim, run.accelerator
     started = time.perf_counter()
     lr = o.lr * lr_factor(step, o.warmup_steps, t.steps, o.min_lr_ratio)
+    encoder_lr = lr * o.encoder_lr_factor(step)
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = encoder_lr if group["encoder"] else lr
     micro_batches = _micro_batches(run, step)
     global_tokens = _global_loss_tokens(run, micro_batches)
     step_loss, step_kl = _accumulate_gradients(run, micro_batches, global_tokens,
@@ -597,12 +626,14 @@ def _accumulate_gradients(run: _Run, micro_batches: list[dict], global_tokens: f
         weights = batch["weights"].to(accelerator.device)
         starts = batch["replay_starts"]
         starts = None if starts is None else starts.to(accelerator.device)
+        docs = document_starts(batch["input_ids"], t.document_mask)
+        docs = None if docs is None else docs.to(accelerator.device)
         with accelerator.accumulate(model):
             with accelerator.autocast():
                 logits, aux = model(
                     ids, decoder_replay_start=starts if cfg.model.has_decoder else None,
                     encoder_replay_start=starts if t.replay.encoder else None,
-                    return_aux=True, dense_global_read=dense_read)
+                    return_aux=True, dense_global_read=dense_read, document_starts=docs)
             token_loss = (F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                           ignore_index=-100, reduction="none")
                           * weights.flatten()).sum()

@@ -40,6 +40,14 @@ class OptimConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     grad_clip: Optional[float] = 1.0
+    # Encoder hold (yoco, ced): the encoder's layers and global KV sources do not learn for the
+    # first `encoder_hold_steps` steps, then their learning rate ramps linearly up to the
+    # schedule's over `encoder_ramp_steps`. While the encoder is still, the decoder's global
+    # read learns retrieval on token-level features; an encoder learning from step 0 fills
+    # RMSNorm(H_Le) with its own fast features first, and the decoder's read then stays at
+    # the key-blind plateau (FINDINGS.md 0.4). No effect on variants without a decoder.
+    encoder_hold_steps: int = 0
+    encoder_ramp_steps: int = 0
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optim.lr", "must be > 0", self.lr)
@@ -53,6 +61,19 @@ class OptimConfig:
                  self.min_lr_ratio)
         _require(self.grad_clip is None or self.grad_clip > 0, "optim.grad_clip",
                  "must be null (no clipping) or > 0", self.grad_clip)
+        for name in ("encoder_hold_steps", "encoder_ramp_steps"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                     f"optim.{name}", "must be an integer >= 0", value)
+
+    def encoder_lr_factor(self, step: int) -> float:
+        """Multiplier of the encoder's learning rate at `step` (0-based): 0 while held, then a
+        linear ramp to 1 (docs: `encoder_hold_steps`)."""
+        if step < self.encoder_hold_steps:
+            return 0.0
+        if self.encoder_ramp_steps == 0:
+            return 1.0
+        return min(1.0, (step - self.encoder_hold_steps + 1) / self.encoder_ramp_steps)
 
 
 @dataclass
@@ -112,6 +133,11 @@ class TrainLoopConfig:
     # With loss_on=all: the weight of an answer token relative to any other token.
     answer_weight: float = 1.0
     replay: ReplaySimulation = field(default_factory=ReplaySimulation)
+    # Document mask: every BOS in a training or validation row starts a new document that sees
+    # nothing before it (CEDModel.forward(document_starts=...)), so packed examples cannot
+    # see each other's facts. false: attention crosses BOS (data.examples_per_row=1 is the
+    # other way to keep examples apart).
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every",
@@ -135,6 +161,8 @@ class TrainLoopConfig:
         _require(isinstance(self.answer_weight, (int, float)) and 0 < self.answer_weight
                  < float("inf"), "train.answer_weight", "must be a finite number > 0",
                  self.answer_weight)
+        _require(isinstance(self.document_mask, bool), "train.document_mask",
+                 "must be true or false", self.document_mask)
         _require(not (self.overwrite and self.resume == "auto"), "train.overwrite",
                  "true discards the checkpoints train.resume=auto would continue from; use one "
                  "or the other", self.overwrite)
