@@ -322,3 +322,86 @@ def training_figure(runs: Mapping[str, Mapping]) -> Figure | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig
+
+
+# ---- seed-pooled findings (evals.findings) ---------------------------------------------------
+
+def _mark_first_geometry(ax, marks: Mapping[str, Mapping[str, int | None]]) -> None:
+    """W (dotted) and R_exact (dashed) of the first job, as vertical lines labelled."""
+    first = next(iter(marks.values()), {})
+    for key, style in (("W", ":"), ("R_exact", "--")):
+        if first.get(key):
+            ax.axvline(first[key], color="grey", linestyle=style, linewidth=1)
+            ax.text(first[key], 0.02, f" {key}", color="grey", fontsize=8,
+                    transform=ax.get_xaxis_transform())
+
+
+def findings_accuracy_figure(points: pd.DataFrame, full: pd.DataFrame,
+                             marks: Mapping[str, Mapping[str, int | None]]) -> Figure | None:
+    """Accuracy against the replay length N, a panel per family and a line per job.
+
+    points: rows of job, family, N, accuracy (pooled over seeds and distances), seed_min,
+    seed_max (the band); full: the same for mode `full` (a dashed level per job)."""
+    points = points.dropna(subset=["N"]) if not points.empty else points
+    if points.empty:
+        return None
+    families = sorted(points["family"].unique())
+    fig, axes = _grid(len(families), 4.6, 3.4)
+    jobs = list(dict.fromkeys(points["job"]))
+    for ax, family in zip(axes, families):
+        for job, rows in points[points["family"] == family].groupby("job", sort=False):
+            color = f"C{jobs.index(job)}"
+            line = rows.sort_values("N")
+            ax.plot(line["N"], line["accuracy"], marker="o", color=color, label=job)
+            ax.fill_between(line["N"], line["seed_min"], line["seed_max"], color=color,
+                            alpha=0.18, linewidth=0)
+            level = full[(full["job"] == job) & (full["family"] == family)]
+            if not level.empty:
+                ax.axhline(float(level["accuracy"].iloc[0]), color=color, linestyle="--",
+                           linewidth=1)
+        _mark_first_geometry(ax, marks)
+        _log2_if_wide(ax, points["N"])
+        ax.set(title=family, xlabel="replay length N", ylabel="accuracy (pooled over seeds)",
+               ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("dashed: full (the exact model); band: min-max over seeds", fontsize=9)
+    return fig
+
+
+def findings_divergence_figure(kl: pd.DataFrame, drops: pd.DataFrame,
+                               marks: Mapping[str, Mapping[str, int | None]]) -> Figure:
+    """Left: first-token KL(exact || replay N) against N per job and prompt length T (log
+    scale, bootstrap band); right: the paired accuracy drop at the same N per job and family
+    with its 95% CI (only families the exact model is competent in)."""
+    fig, axes = _grid(2, 5.0, 3.6)
+    floor = 1e-18             # exact modes sit at rounding level; a log axis needs > 0
+    jobs = list(dict.fromkeys([*kl.get("job", []), *drops.get("job", [])]))
+    for (job, t), line in (kl.dropna(subset=["N"]).groupby(["job", "T"], sort=False)
+                           if not kl.empty else []):
+        line = line.sort_values("N")
+        color = f"C{jobs.index(job)}"
+        axes[0].plot(line["N"], line["mean"].clip(lower=floor), marker="o", color=color,
+                     label=f"{job} (T={t})")
+        axes[0].fill_between(line["N"], line["ci_low"].clip(lower=floor),
+                             line["ci_high"].clip(lower=floor), color=color, alpha=0.18)
+    axes[0].set(xscale="log", yscale="log", xlabel="replay length N",
+                ylabel="KL(exact || replay N), first token", title="divergence")
+    for j, ((job, family), line) in enumerate(drops.dropna(subset=["N"]).groupby(
+            ["job", "family"], sort=False) if not drops.empty else []):
+        line = line.sort_values("N")
+        axes[1].errorbar(line["N"] * (1 + 0.03 * j), line["difference"],
+                         yerr=[line["difference"] - line["ci_low"],
+                               line["ci_high"] - line["difference"]],
+                         marker="os^vD"[j % 5], color=f"C{jobs.index(job)}", capsize=2,
+                         label=f"{job}: {family}")
+    axes[1].axhline(0, color="black", linewidth=0.8)
+    axes[1].set(xscale="log", xlabel="replay length N",
+                ylabel="accuracy(replay N) - accuracy(full)", title="capability drop (95% CI)")
+    for ax in axes:
+        _mark_first_geometry(ax, marks)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return fig
+

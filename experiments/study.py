@@ -51,11 +51,12 @@ class SuiteSpec:
 @dataclass
 class ScaleSpec:
     """Extra settings of one scale: `train` overrides appended to the study's, `divergence`
-    and `suite` keys replacing the study's."""
+    and `suite` keys replacing the study's, and `seeds` (if set) replacing the study's."""
 
     train: List[str] = field(default_factory=list)
     divergence: Dict[str, Any] = field(default_factory=dict)
     suite: Dict[str, Any] = field(default_factory=dict)
+    seeds: Optional[List[int]] = None   # replaces the study's seeds at this scale
 
 
 @dataclass
@@ -152,7 +153,8 @@ def study_path(name: str) -> Path:
 
 def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -> StudyConfig:
     """conf/experiment/<name>.yaml, checked, with its `scales.<scale>` section applied (train
-    overrides appended, divergence/suite keys replaced); `seeds` replaces the file's seeds."""
+    overrides appended, divergence/suite keys and seeds replaced); `seeds` (the driver's
+    option) replaces both."""
     path = study_path(name)
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(raw, dict):
@@ -190,6 +192,8 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
         study.suite = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SuiteSpec),
                                                           merged))
     study.scale = scale
+    if extra.seeds is not None:
+        study.seeds = list(extra.seeds)
     if seeds is not None:
         study.seeds = list(seeds)
     names = [j.name for j in study.jobs]

@@ -375,9 +375,14 @@ RUNNING_STATE_SWEEPS = (
 
 @task("running_state", chance=chance_running_state, sweeps=RUNNING_STATE_SWEEPS)
 def running_state(rng: random.Random, kind: str = "count", window_len: int = 8,
-                  length: Optional[int] = None, filler: int = 16):
+                  length: Optional[int] = None, filler: int = 16,
+                  min_window_len: Optional[int] = None):
     """State over a window: can the model keep a running count / parity / bracket depth over the
     last `window_len` symbols, ignoring the symbols before?
+
+    min_window_len (a training option): when set, each example's window length is drawn
+    uniformly in [min_window_len, window_len], so that a model trained on it meets every window
+    the suite sweeps (the suite fixes window_len per point and leaves this unset).
 
     context: a prefix of random symbols, `|`, window_len symbols, `?`; the target depends only
     on the window (the `|` marks where it starts, so this probes state accumulation over M
@@ -394,6 +399,12 @@ def running_state(rng: random.Random, kind: str = "count", window_len: int = 8,
         raise TaskParamError(f, "kind", f"must be one of {', '.join(RUNNING_KINDS)}, got {kind!r}")
     window_len = check_int(f, "window_len", window_len, 1)
     check_layout(f, None, length, filler)
+    if min_window_len is not None:
+        min_window_len = check_int(f, "min_window_len", min_window_len, 1)
+        if min_window_len > window_len:
+            raise TaskParamError(f, "min_window_len", f"must be <= window_len ({window_len}), "
+                                 f"got {min_window_len}")
+        window_len = rng.randint(min_window_len, window_len)
     symbols = {"count": "ab", "parity": "01", "bracket": "()"}[kind]
     if kind == "bracket":
         window, depth = [], 0

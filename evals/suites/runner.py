@@ -370,6 +370,13 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
             "warnings": warnings, "settings": settings, "seconds": elapsed}
 
 
+def _table_row(row: dict, columns: list[str]) -> list:
+    """One row of a wandb.Table: x as text (a distance or `all`), and "" (a cell without a
+    value, e.g. p_holm of a pooled row) as None, so that every column keeps one type; wandb
+    refuses a table whose column mixes numbers and strings."""
+    return [str(row[c]) if c == "x" else None if row[c] == "" else row[c] for c in columns]
+
+
 def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[dict],
                paths: dict, out: Path, group: str | None = None) -> None:
     """Offline unless WANDB_MODE says otherwise; `wandb sync <out>/wandb/offline-run-*`.
@@ -381,11 +388,9 @@ def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[di
                      mode=os.environ.get("WANDB_MODE", "offline"),
                      config={k: v for k, v in run_info.items() if k != "warnings"})
     cols = list(summary[0]) if summary else []
-    run.log({"summary": wandb.Table(columns=cols, data=[[str(s[c]) if c == "x" else s[c]
-                                                          for c in cols] for s in summary]),
+    run.log({"summary": wandb.Table(columns=cols, data=[_table_row(s, cols) for s in summary]),
              "capability_drop": wandb.Table(columns=DROP_FIELDS,
-                                            data=[[str(d[c]) if c == "x" else d[c]
-                                                   for c in DROP_FIELDS] for d in drops])})
+                                            data=[_table_row(d, DROP_FIELDS) for d in drops])})
     if "plot" in paths:
         run.log({"accuracy": wandb.Image(str(paths["plot"]))})
     from ced.tracking import log_scalars, use_checkpoints

@@ -623,3 +623,21 @@ def test_examples_per_row_caps_the_packing(per_row):
             assert torch.equal(capped["input_ids"][row, :n], packed["input_ids"][row, :n])
     with pytest.raises(ValueError, match="data.examples_per_row"):
         build_source({"tasks": tasks, "only": list(tasks), "examples_per_row": 0}, "train")
+
+
+def test_running_state_min_window_len_draws_every_window_and_leaves_fixed_ones_alone():
+    lengths = {make_example("running_state", s, min_window_len=2, window_len=6).meta["distance"] - 2
+               for s in range(200)}
+    assert lengths == {2, 3, 4, 5, 6}
+    for s in range(20):    # unset: the suite's fixed-window examples are what they were
+        fixed = make_example("running_state", s, window_len=5)
+        assert fixed.meta["distance"] == 7
+        same = make_example("running_state", s, window_len=5, min_window_len=None)
+        assert same.prompt_ids == fixed.prompt_ids and same.answer_ids == fixed.answer_ids
+    ex = make_example("running_state", 3, min_window_len=4, window_len=9)
+    window = bytes(ex.prompt_ids[1:]).decode().split("|")[1].rstrip("?")
+    assert bytes(ex.answer_ids[:-1]).decode() == str(window.count("a"))
+    for bad in ({"min_window_len": 0}, {"min_window_len": 9, "window_len": 8},
+                {"min_window_len": 1.5}):
+        with pytest.raises(ValueError, match=r"data\.tasks\.running_state\.min_window_len"):
+            make_example("running_state", 0, **bad)

@@ -37,9 +37,11 @@ def rows_hash(source, count: int = 8, seq_len: int = 256) -> str:
 
 
 def compose_train(overrides: list[str]):
+    """The training config `python -m ced.train <overrides>` composes (free-form task keys
+    rewritten as the trainer does)."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=trainer.CONF_DIR, version_base="1.3"):
-        return compose("train", overrides=overrides)
+        return compose("train", overrides=trainer.free_form_overrides(overrides))
 
 
 # ---- training data: bit for bit what main built ----------------------------------------------
@@ -180,5 +182,5 @@ def test_an_unknown_preset_is_one_line_naming_the_key(tmp_path):
     study = tmp_path / "s.yaml"
     study.write_text("name: s\npresets: [smal_model]\njobs: [{name: a}]\n")
     with pytest.raises(StudyError, match=r"^study s: presets\[0\]: no preset 'smal_model'; "
-                                         r"known presets: \['small_model'\]$"):
+                                         r"known presets: \['recipe', 'small_model'\]$"):
         load_study(str(study))

@@ -1,0 +1,331 @@
+"""Seed-pooled statistics of a finished study, for FINDINGS.md: `python -m evals.findings`.
+
+    python -m evals.findings --study outputs/studies/replay_length --out findings/replay_length
+
+Reads what the study driver wrote (`suite/<job>/seed<k>[@topk=K]/results.csv`: one row per
+example and mode; `divergence/divergence.parquet`; `runs/<job>/seed<k>/final/config.json`) and
+writes into --out:
+
+  accuracy.csv          per job x family x x (distance, or `all` pooled over x) x mode: the
+                        accuracy pooled over seeds with its Wilson 95% CI, the mean over seeds
+                        and each seed's accuracy
+  capability_drop.csv   every mode against `full` on the same examples, pooled over seeds: the
+                        paired difference (mode - full) with its 95% CI (Agresti-Min: the
+                        paired Wald interval with 0.5 added to each cell), the exact McNemar
+                        p-value and its Holm correction over the x of one job x family x mode;
+                        and beside it each seed's difference and p-value
+  competence.csv        per job x family: `full` accuracy pooled over seeds and distances, and
+                        whether the exact model is competent (>= COMPETENT) there, so that a
+                        drop is only read where there is something to lose
+  divergence.csv        per job x T x mode: first-token KL(exact || mode) and top-1 agreement,
+                        mean over prompts and seeds with a bootstrap 95% CI over (seed, prompt),
+                        and each seed's mean
+  accuracy_vs_N.png     accuracy against the replay length N per family, a line per job
+                        (pooled over seeds and distances, band: min-max over seeds), W and
+                        R_exact marked; `full` as a dashed level
+  kl_vs_N.png           first-token KL against N per job, next to the accuracy drop of the
+                        same N (pooled over families the exact model is competent in)
+  findings.md           the tables above in Markdown, for FINDINGS.md
+
+Pooling over seeds pairs examples within a seed (the same document under `full` and under the
+mode, on the same checkpoint); the seeds' checkpoints differ, so the pooled test asks whether
+the recipe, not one checkpoint, loses accuracy at N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from evals import plots
+from evals.suites.stats import binomial_two_sided, holm, wilson_interval
+
+FULL = "full"
+COMPETENT = 0.9            # `full` accuracy from which a family's drop is read as a finding
+Z95 = 1.959963984540054
+_LABEL = re.compile(r"^(?P<job>[^/]+)/seed(?P<seed>\d+)(?P<topk>@topk=[^/]+)?$")
+
+
+def paired_difference(b: int, c: int, n: int) -> tuple[float, float, float]:
+    """Difference of two paired proportions, mode - full = (c - b) / n, with the Agresti-Min
+    95% interval: the Wald interval of the 2x2 table with 0.5 added to each of its four cells
+    (good coverage down to b = c = 0, unlike the plain Wald). b: full right and mode wrong;
+    c: mode right and full wrong; n: pairs. Returns (difference, low, high)."""
+    if n <= 0:
+        return math.nan, math.nan, math.nan
+    bb, cc, nn = b + 0.5, c + 0.5, n + 2.0
+    d = (cc - bb) / nn
+    se = math.sqrt(max((bb + cc) - (cc - bb) ** 2 / nn, 0.0)) / nn
+    return (c - b) / n, max(-1.0, d - Z95 * se), min(1.0, d + Z95 * se)
+
+
+def load_results(study: Path) -> pd.DataFrame:
+    """Every suite results.csv of the study, with columns job, seed (training seed) and run."""
+    frames = []
+    for path in sorted((study / "suite").glob("*/seed*/results.csv")):
+        label = f"{path.parent.parent.name}/{path.parent.name}"
+        match = _LABEL.match(label)
+        if match is None:
+            continue
+        frame = pd.read_csv(path, dtype={"x": str})
+        job = match["job"] + (match["topk"] or "")
+        frames.append(frame.assign(job=job, train_seed=int(match["seed"]), run=label))
+    if not frames:
+        raise FileNotFoundError(f"{study}/suite: no <job>/seed<k>/results.csv (run the study's "
+                                f"suite step first)")
+    results = pd.concat(frames, ignore_index=True)
+    results["correct"] = results["correct"].astype(bool)
+    return results
+
+
+def _with_pooled_x(results: pd.DataFrame) -> pd.DataFrame:
+    """The results once per x and once more with x = "all" (pooled over the family's x)."""
+    return pd.concat([results, results.assign(x="all")], ignore_index=True)
+
+
+def _x_order(x: str) -> tuple:
+    return (1, 0.0) if x == "all" else (0, float(x)) if re.fullmatch(r"-?\d+(\.\d+)?", x) \
+        else (0, math.inf)
+
+
+def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy per job x family x x x mode, pooled over seeds (Wilson CI) and per seed."""
+    rows = []
+    keys = ["job", "family", "x", "mode"]
+    for key, part in _with_pooled_x(results).groupby(keys, sort=False):
+        per_seed = part.groupby("train_seed")["correct"].mean()
+        correct, n = int(part["correct"].sum()), len(part)
+        low, high = wilson_interval(correct, n)
+        rows.append({**dict(zip(keys, key)), "seeds": len(per_seed), "n": n,
+                     "accuracy": correct / n, "ci_low": low, "ci_high": high,
+                     "seed_mean": per_seed.mean(), "seed_min": per_seed.min(),
+                     "seed_max": per_seed.max(),
+                     "per_seed": " ".join(f"{v:.3f}" for v in per_seed.values)})
+    return _sorted(pd.DataFrame(rows))
+
+
+def _sorted(table: pd.DataFrame) -> pd.DataFrame:
+    if table.empty:
+        return table
+    return (table.assign(_x=table["x"].map(_x_order))
+            .sort_values(["job", "family", "_x", "mode"], kind="stable")
+            .drop(columns="_x").reset_index(drop=True))
+
+
+def _discordant(part: pd.DataFrame) -> tuple[int, int, int]:
+    """(b, c, n) of a mode against full over the examples of `part` (both modes present)."""
+    wide = part.pivot_table(index=["run", "id"], columns="mode", values="correct",
+                            aggfunc="first")
+    wide = wide.dropna()
+    full, other = wide.iloc[:, 0].astype(bool), wide.iloc[:, 1].astype(bool)
+    return int((full & ~other).sum()), int((other & ~full).sum()), len(wide)
+
+
+def capability_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.DataFrame:
+    """Every mode against full, paired on examples and pooled over seeds (see module doc)."""
+    rows = []
+    pooled = _with_pooled_x(results)
+    for (job, family, x), part in pooled.groupby(["job", "family", "x"], sort=False):
+        full = part[part["mode"] == FULL]
+        if full.empty:
+            continue
+        for mode in [m for m in part["mode"].unique() if m != FULL]:
+            pair = pd.concat([full.assign(mode="0full"),
+                              part[part["mode"] == mode].assign(mode="1mode")])
+            b, c, n = _discordant(pair)
+            diff, low, high = paired_difference(b, c, n)
+            seeds = []
+            for seed, seed_part in pair.groupby("train_seed"):
+                sb, sc, sn = _discordant(seed_part)
+                seeds.append((seed, (sc - sb) / sn if sn else math.nan,
+                              binomial_two_sided(sb, sb + sc)))
+            rows.append({"job": job, "family": family, "x": x, "mode": mode, "n": n,
+                         "acc_full": full["correct"].mean(),
+                         "acc_mode": part[part["mode"] == mode]["correct"].mean(),
+                         "difference": diff, "ci_low": low, "ci_high": high,
+                         "full_only": b, "mode_only": c, "p_value": binomial_two_sided(b, b + c),
+                         "per_seed_difference": " ".join(f"{d:+.3f}" for _, d, _ in seeds),
+                         "per_seed_p": " ".join(f"{p:.3g}" for _, _, p in seeds)})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    # Holm over the distances of one job x family x mode (the pooled x = "all" is its own test)
+    table["p_holm"] = table["p_value"]
+    for _, part in table[table["x"] != "all"].groupby(["job", "family", "mode"]):
+        table.loc[part.index, "p_holm"] = holm(part["p_value"].tolist())
+    table["significant"] = (table["p_holm"] < alpha) & (table["difference"] < 0)
+    return _sorted(table)
+
+
+def competence_table(accuracy: pd.DataFrame) -> pd.DataFrame:
+    """`full` accuracy per job x family pooled over distances and seeds, and competence."""
+    full = accuracy[(accuracy["mode"] == FULL) & (accuracy["x"] == "all")]
+    table = full[["job", "family", "seeds", "n", "accuracy", "ci_low", "ci_high",
+                  "per_seed"]].copy()
+    table["competent"] = table["accuracy"] >= COMPETENT
+    return table.reset_index(drop=True)
+
+
+def divergence_table(study: Path, seed: int = 0, resamples: int = 2000) -> pd.DataFrame:
+    """First-token KL and top-1 agreement per job x T x mode, pooled over seeds and prompts."""
+    path = study / "divergence" / "divergence.parquet"
+    if not path.exists():
+        return pd.DataFrame()
+    div = pd.read_parquet(path)
+    div = div[(div["metric"].isin(["kl", "top1_agree"])) & (div["step"] == 0)].copy()
+    labels = div["checkpoint"].map(_checkpoint_label)
+    div = div.assign(job=labels.map(lambda s: s[0]), train_seed=labels.map(lambda s: s[1]))
+    rng = np.random.default_rng(seed)
+    rows = []
+    for (job, t, mode, metric), part in div.groupby(["job", "T", "mode", "metric"], sort=False):
+        values = part["value"].to_numpy(dtype=float)
+        boots = rng.choice(values, size=(resamples, len(values))).mean(axis=1)
+        per_seed = part.groupby("train_seed")["value"].mean()
+        rows.append({"job": job, "T": t, "mode": mode, "metric": metric, "n": len(values),
+                     "mean": values.mean(), "ci_low": np.quantile(boots, 0.025),
+                     "ci_high": np.quantile(boots, 0.975), "seeds": len(per_seed),
+                     "per_seed": " ".join(f"{v:.3g}" for v in per_seed.values)})
+    return pd.DataFrame(rows)
+
+
+def _checkpoint_label(path: str) -> tuple[str, int | None]:
+    """(job, training seed) of a checkpoint path `.../runs/<job>/seed<k>/final`."""
+    parts = Path(str(path)).parts
+    for i, part in enumerate(parts):
+        match = re.fullmatch(r"seed(\d+)", part)
+        if match and i > 0:
+            return parts[i - 1], int(match.group(1))
+    return Path(str(path)).parent.name, None
+
+
+def geometry(study: Path) -> dict[str, dict]:
+    """Per job: W and R_exact of its model (from a suite run's summary.json settings)."""
+    out = {}
+    for path in sorted((study / "suite").glob("*/seed*/summary.json")):
+        settings = json.loads(path.read_text()).get("settings", {})
+        match = _LABEL.match(f"{path.parent.parent.name}/{path.parent.name}")
+        if match is not None:
+            job = match["job"] + (match["topk"] or "")
+            out.setdefault(job, {"W": settings.get("window"), "R_exact": settings.get("r_exact")})
+    return out
+
+
+def replay_of(mode: str, r_exact: int | None) -> float:
+    """N of a single-turn replay mode (`replay=exact`: R_exact); NaN for `full`, multi-turn
+    and anything else."""
+    from evals.modes import parse_mode
+    try:
+        parsed = parse_mode(mode)
+    except ValueError:
+        return math.nan
+    if parsed.turn is not None or parsed.replay is None:
+        return math.nan
+    if parsed.replay == "exact":
+        return float(r_exact) if r_exact else math.nan
+    return float(parsed.replay)
+
+
+def with_replay_length(table: pd.DataFrame, marks: dict) -> pd.DataFrame:
+    """`table` (with job and mode columns) plus N, the replay length of each row's mode."""
+    if table.empty:
+        return table.assign(N=[])
+    n = [replay_of(mode, marks.get(job, {}).get("R_exact"))
+         for job, mode in zip(table["job"], table["mode"])]
+    return table.assign(N=n)
+
+
+def _markdown(table: pd.DataFrame, columns: list[str], digits: int = 3) -> str:
+    if table.empty:
+        return "(none)\n"
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for rec in table[columns].to_dict("records"):
+        cells = []
+        for col in columns:
+            v = rec[col]
+            if isinstance(v, float):
+                cells.append("" if math.isnan(v) else f"{v:.{digits}g}" if abs(v) < 1e-3 and v
+                             else f"{v:.{digits}f}")
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Path]:
+    """Compute every table and figure of the module doc for `study` into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = load_results(study)
+    marks = geometry(study)
+    accuracy = accuracy_table(results)
+    drops = capability_drop_table(results, alpha)
+    competence = competence_table(accuracy)
+    divergence = divergence_table(study)
+    written = {}
+    for name, table in (("accuracy", accuracy), ("capability_drop", drops),
+                        ("competence", competence), ("divergence", divergence)):
+        written[name] = out / f"{name}.csv"
+        table.to_csv(written[name], index=False, float_format="%.6g")
+    pooled = accuracy[accuracy["x"] == "all"]
+    figure = plots.findings_accuracy_figure(with_replay_length(pooled, marks),
+                                            pooled[pooled["mode"] == FULL], marks)
+    if figure is not None:
+        written["accuracy_vs_N"] = plots.save(figure, out / "accuracy_vs_N.png", title_room=True)
+    kl = divergence[divergence["metric"] == "kl"] if not divergence.empty else divergence
+    competent = competence[competence["competent"]][["job", "family"]]
+    drop_points = (drops[drops["x"] == "all"].merge(competent, on=["job", "family"])
+                   if not drops.empty else drops)
+    written["kl_vs_N"] = plots.save(plots.findings_divergence_figure(
+        with_replay_length(kl, marks), with_replay_length(drop_points, marks), marks),
+        out / "kl_vs_N.png")
+    pooled_drops = drops[drops["x"] == "all"] if not drops.empty else drops
+    md = [f"# {study.name}: seed-pooled findings tables (python -m evals.findings)", "",
+          f"Geometry per job: {json.dumps(marks)}", "",
+          "## Competence of the exact model (`full`, pooled over distances and seeds)", "",
+          _markdown(competence, ["job", "family", "seeds", "n", "accuracy", "ci_low", "ci_high",
+                                 "per_seed", "competent"]),
+          "## Capability drop pooled over distances (mode - full, paired, pooled over seeds)",
+          "", _markdown(pooled_drops, ["job", "family", "mode", "n", "acc_full", "acc_mode",
+                                       "difference", "ci_low", "ci_high", "p_value",
+                                       "per_seed_difference", "per_seed_p"]),
+          "## Significant drops at single distances (Holm over distances, p < "
+          f"{alpha})", "",
+          _markdown(drops[(drops["x"] != "all") & drops["significant"]] if not drops.empty
+                    else drops, ["job", "family", "x", "mode", "n", "acc_full", "acc_mode",
+                                 "difference", "ci_low", "ci_high", "p_holm",
+                                 "per_seed_difference"]),
+          "## First-token divergence (mean over prompts and seeds, bootstrap 95% CI)", "",
+          _markdown(divergence, ["job", "T", "mode", "metric", "n", "mean", "ci_low", "ci_high",
+                                 "per_seed"], 3)]
+    written["findings"] = out / "findings.md"
+    written["findings"].write_text("\n".join(md))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--study", required=True, help="a study directory (outputs/studies/<name>)")
+    p.add_argument("--out", required=True, help="output directory (e.g. findings/<name>)")
+    p.add_argument("--alpha", type=float, default=0.05)
+    args = p.parse_args(argv)
+    study = Path(args.study)
+    if not (study / "suite").is_dir():
+        p.error(f"--study {study}: no suite/ directory (is it a study directory?)")
+    try:
+        written = write_findings(study, Path(args.out), args.alpha)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, path in written.items():
+        print(f"[findings] {name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Recompute tests/unit/golden_configs.json after a *deliberate* change of what the configs
+compose to (a new model key, a changed study), with a note that says why:
+
+    .venv/bin/python tests/unit/regen_golden_configs.py "why the goldens changed"
+
+test_registry.py then holds every later change to them. Never run it to silence a failure you
+cannot explain: the golden is the record of what studies trained."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ced.train as trainer  # noqa: E402
+from ced.data import build_source  # noqa: E402
+from experiments.study import STUDY_DIR, load_study, normalise_overrides  # noqa: E402
+from test_registry import compose_train, rows_hash  # noqa: E402
+
+PATH = Path(__file__).with_name("golden_configs.json")
+
+
+def regenerate(why: str) -> dict:
+    old = json.loads(PATH.read_text())
+    golden = {"_comment": f"{old['_comment']} Recomputed: {why}", "model": {}, "rows": {},
+              "studies": {}}
+    for name in old["model"]:
+        golden["model"][name] = OmegaConf.to_container(
+            compose_train([f"model={name}"]).model, resolve=True)
+    composed = compose_train(["data=synthetic"]).data
+    for split in ("train", "validation"):
+        golden["rows"][f"data=synthetic/{split}"] = rows_hash(build_source(composed, split))
+    golden["rows"]["curriculum_rows=64/train"] = rows_hash(
+        build_source({"curriculum_rows": 64}, "train"))
+    for item in ("data.tasks.needle=null", "data.tasks.copy.span_len=2"):
+        data = compose_train(trainer.free_form_overrides([item])).data
+        golden["rows"][item] = rows_hash(build_source(data, "train"))
+    for path in sorted(STUDY_DIR.glob("*.yaml")):
+        for scale in ("demo", "full"):
+            study = load_study(path.stem, scale)
+            for job in study.jobs:
+                overrides = [*study.train, *job.overrides]
+                entry = {"overrides": normalise_overrides(overrides)}
+                if job.name != "broken":          # tiny's job that fails on purpose
+                    cfg = OmegaConf.to_container(compose_train(overrides), resolve=True)
+                    rest = json.dumps({k: v for k, v in cfg.items() if k != "data"},
+                                      sort_keys=True)
+                    entry["config"] = hashlib.sha256(rest.encode()).hexdigest()[:16]
+                    entry["rows"] = rows_hash(build_source(compose_train(overrides).data,
+                                                           "train"), 4)
+                golden["studies"][f"{path.stem}/{scale}/{job.name}"] = entry
+    return golden
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not sys.argv[1].strip():
+        sys.exit(__doc__)
+    PATH.write_text(json.dumps(regenerate(sys.argv[1].strip()), indent=1) + "\n")
+    print(f"wrote {PATH}")

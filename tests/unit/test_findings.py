@@ -1,0 +1,95 @@
+"""evals.findings: the seed-pooled statistics FINDINGS.md cites, on fabricated suite results
+whose counts are known, so every number can be checked by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from evals.findings import (accuracy_table, capability_drop_table, competence_table, main,
+                            paired_difference)
+from evals.suites.stats import binomial_two_sided, wilson_interval
+
+
+def fake_results(cells: dict) -> pd.DataFrame:
+    """cells: (seed, x) -> list of (full correct, replay=4 correct) per example."""
+    rows = []
+    for (seed, x), pairs in cells.items():
+        for i, (full, mode) in enumerate(pairs):
+            for name, ok in (("full", full), ("replay=4", mode)):
+                rows.append({"id": f"recall/d={x}/{i}", "family": "recall", "x": str(x),
+                             "mode": name, "correct": bool(ok), "job": "ced",
+                             "train_seed": seed, "run": f"ced/seed{seed}"})
+    return pd.DataFrame(rows)
+
+
+# seed 0 at x=5: 10 both right, 3 full-only, 1 mode-only; seed 1 at x=5: 8 both, 4 full-only
+# x=9: identical scorings on both seeds
+CELLS = {(0, 5): [(1, 1)] * 10 + [(1, 0)] * 3 + [(0, 1)],
+         (1, 5): [(1, 1)] * 8 + [(1, 0)] * 4,
+         (0, 9): [(1, 1)] * 6 + [(0, 0)] * 2,
+         (1, 9): [(1, 1)] * 7 + [(0, 0)] * 1}
+
+
+def test_drops_pool_pairs_over_seeds_and_keep_each_seed_beside():
+    drops = capability_drop_table(fake_results(CELLS))
+    row = drops[(drops["x"] == "5")].iloc[0]
+    assert (row["n"], row["full_only"], row["mode_only"]) == (26, 7, 1)
+    assert row["difference"] == pytest.approx((1 - 7) / 26)
+    assert row["p_value"] == pytest.approx(binomial_two_sided(7, 8))
+    assert row["per_seed_difference"] == f"{(1 - 3) / 14:+.3f} {-4 / 12:+.3f}"
+    assert row["per_seed_p"] == f"{binomial_two_sided(3, 4):.3g} {binomial_two_sided(4, 4):.3g}"
+    same = drops[(drops["x"] == "9")].iloc[0]
+    assert same["difference"] == 0 and same["p_value"] == 1.0
+    # Holm over the two distances: the smaller p doubles
+    assert row["p_holm"] == pytest.approx(min(1.0, 2 * row["p_value"]))
+    pooled = drops[drops["x"] == "all"].iloc[0]
+    assert (pooled["n"], pooled["full_only"], pooled["mode_only"]) == (42, 7, 1)
+    assert pooled["p_holm"] == pooled["p_value"]            # its own test
+
+
+def test_paired_difference_interval_is_agresti_min():
+    diff, low, high = paired_difference(7, 1, 26)
+    bb, cc, nn = 7.5, 1.5, 28.0
+    d = (cc - bb) / nn
+    se = math.sqrt((bb + cc) - (cc - bb) ** 2 / nn) / nn
+    assert diff == pytest.approx(-6 / 26)
+    assert (low, high) == pytest.approx((d - 1.959963984540054 * se, d + 1.959963984540054 * se))
+    # no discordant pair at all: a narrow interval around 0, not a degenerate point
+    _, low, high = paired_difference(0, 0, 600)
+    assert low < 0 < high and high - low < 0.02
+
+
+def test_accuracy_pools_over_seeds_with_wilson_and_lists_each_seed():
+    acc = accuracy_table(fake_results(CELLS))
+    row = acc[(acc["x"] == "9") & (acc["mode"] == "full")].iloc[0]
+    assert (row["n"], row["seeds"]) == (16, 2)
+    assert row["accuracy"] == pytest.approx(13 / 16)
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx(wilson_interval(13, 16))
+    assert row["per_seed"] == f"{6 / 8:.3f} {7 / 8:.3f}"
+    assert (row["seed_min"], row["seed_max"]) == (0.75, 0.875)
+    assert list(acc["x"].drop_duplicates()) == ["5", "9", "all"]
+    comp = competence_table(acc)
+    assert comp.iloc[0]["accuracy"] == pytest.approx((13 + 12 + 6 + 7) / 42)
+    assert bool(comp.iloc[0]["competent"]) is ((13 + 12 + 6 + 7) / 42 >= 0.9)
+
+
+def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
+    study = tmp_path / "study"
+    results = fake_results(CELLS)
+    for seed, part in results.groupby("train_seed"):
+        run = study / "suite" / "ced" / f"seed{seed}"
+        run.mkdir(parents=True)
+        part.drop(columns=["job", "train_seed", "run"]).to_csv(run / "results.csv", index=False)
+        (run / "summary.json").write_text(json.dumps({"settings": {"window": 4, "r_exact": 7}}))
+    out = tmp_path / "out"
+    assert main(["--study", str(study), "--out", str(out)]) == 0
+    for name in ("accuracy.csv", "capability_drop.csv", "competence.csv", "divergence.csv",
+                 "accuracy_vs_N.png", "kl_vs_N.png", "findings.md"):
+        assert (out / name).exists(), name
+    assert "replay=4" in (out / "findings.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--study", str(tmp_path / "nothing"), "--out", str(out)])
