@@ -74,7 +74,8 @@ def load_results(study: Path) -> pd.DataFrame:
         match = _LABEL.match(label)
         if match is None:
             continue
-        frame = pd.read_csv(path, dtype={"x": str})
+        frame = pd.read_csv(path, dtype={"x": str, "target": str, "prediction": str},
+                            low_memory=False)
         job = match["job"] + (match["topk"] or "")
         frames.append(frame.assign(job=job, train_seed=int(match["seed"]), run=label))
     if not frames:
@@ -209,7 +210,8 @@ def geometry(study: Path) -> dict[str, dict]:
     """Per job: W and R_exact of its model (from a suite run's summary.json settings)."""
     out = {}
     for path in sorted((study / "suite").glob("*/seed*/summary.json")):
-        settings = json.loads(path.read_text()).get("settings", {})
+        record = json.loads(path.read_text())
+        settings = record.get("run", {}).get("settings") or record.get("settings", {})
         match = _LABEL.match(f"{path.parent.parent.name}/{path.parent.name}")
         if match is not None:
             job = match["job"] + (match["topk"] or "")

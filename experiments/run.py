@@ -5,7 +5,11 @@
                               [only=train|eval|report|plan]
 
 `only=plan` prints the resolved study and what would happen to every training run (skip,
-train, resume, refuse, rerun, and why) without running anything.
+train, resume, refuse, rerun, reuse, and why) without running anything. `reuse=[DIR, ...]`
+names other study directories: a run whose training hash (every training override and the
+seed) matches a finished run there is copied instead of retrained, so studies that share a
+job (replay_length's no_sim is variants' ced, topk's k16 and multi_turn's no_sim) train it
+once.
     python -m experiments.run --help | --cfg job study=<name> | -m study=a,b
 
 A Hydra app over `conf/study.yaml` (keys: `DriverConfig`). A study is
@@ -69,6 +73,7 @@ class DriverConfig:
     group: Optional[str] = None
     only: str = "all"
     on_change: str = "refuse"
+    reuse: Optional[List[str]] = None
 
     def check(self) -> None:
         if self.study in ("???", "", None):
@@ -77,6 +82,9 @@ class DriverConfig:
         if self.only not in ("all", "train", "eval", "report", "plan"):
             raise StudyError(f"only: must be all, train, eval, report or plan; got "
                              f"{self.only!r}")
+        for path in self.reuse or []:
+            if not (Path(path) / "runs").is_dir():
+                raise StudyError(f"reuse: {path} is not a study directory (no runs/ in it)")
         if self.on_change not in ("refuse", "rerun"):
             raise StudyError(f"on_change: must be refuse or rerun; got {self.on_change!r}")
         if self.threads is not None and self.threads < 1:
@@ -100,6 +108,15 @@ def check_driver_overrides(argv: list[str]) -> None:
 def _is_bookkeeping(item: str) -> bool:
     key = item.split("=", 1)[0].lstrip("+~")
     return key in BOOKKEEPING or key.startswith(tuple(b for b in BOOKKEEPING if b.endswith(".")))
+
+
+def training_overrides(spec: StudyConfig, job_name: str, seed: int) -> list[str]:
+    """What one run of a study trains: the study's overrides, the job's, and the seed
+    (normalised, without bookkeeping keys): the input of the training step's config hash, and
+    what `reuse=` matches across studies."""
+    job = next(j for j in spec.jobs if j.name == job_name)
+    items = [*spec.train, *job.overrides, f"train.seed={seed}"]
+    return normalise_overrides([o for o in items if not _is_bookkeeping(o)])
 
 
 def describe_change(old: list[str], new: list[str]) -> str:
@@ -181,8 +198,10 @@ class Study:
     """One invocation of the driver over a study directory."""
 
     def __init__(self, spec: StudyConfig, out: Path, threads: int, wandb: bool = True,
-                 group: str | None = None, project: str = "ced", on_change: str = "refuse"):
+                 group: str | None = None, project: str = "ced", on_change: str = "refuse",
+                 reuse: list[Path] | None = None):
         self.spec, self.out, self.threads, self.wandb = spec, out, threads, wandb
+        self.reuse = [Path(p).resolve() for p in reuse or []]
         self.group, self.project, self.on_change = group or spec.name, project, on_change
         self.status: dict[str, dict] = {}
         self.started = time.time()
@@ -219,11 +238,8 @@ class Study:
         return self.out / "runs" / label
 
     def train_overrides(self, job_name: str, seed: int) -> list[str]:
-        """What the run trains: the study's overrides, the job's, and the seed (normalised,
-        without bookkeeping keys): the input of the training step's config hash."""
-        job = next(j for j in self.spec.jobs if j.name == job_name)
-        items = [*self.spec.train, *job.overrides, f"train.seed={seed}"]
-        return normalise_overrides([o for o in items if not _is_bookkeeping(o)])
+        """What the run trains (`training_overrides`)."""
+        return training_overrides(self.spec, job_name, seed)
 
     def checkpoints(self) -> dict[str, tuple[Path, str]]:
         """label -> (final/, its training hash) of every run that finished training."""
@@ -267,11 +283,26 @@ class Study:
         reason = f"config changed since it was trained (hash {old} -> {digest}: {change})"
         return ("refuse" if self.on_change == "refuse" else "rerun"), digest, reason
 
+    def reusable(self, digest: str) -> Path | None:
+        """A finished run with training hash `digest` in one of the `reuse` study directories
+        (the hash covers every training override and the seed, so it trained exactly what this
+        run would), or None."""
+        for study in self.reuse:
+            for stamp_path in sorted(study.glob(f"runs/*/seed*/{STAMP}")):
+                stamp = _read_stamp(stamp_path.parent)
+                if (stamp and stamp.get("hash") == digest
+                        and (stamp_path.parent / "final" / "model.safetensors").exists()):
+                    return stamp_path.parent
+        return None
+
     def plan(self) -> list[dict]:
         """What `only=all` would do to every training run, without doing it."""
         rows = []
         for job_name, seed, label in self.runs():
             action, digest, reason = self.decide(job_name, seed, label)
+            source = self.reusable(digest) if action == "train" else None
+            if source is not None:
+                action, reason = "reuse", f"the same training run is done in {source}; copy it"
             rows.append({"run": label, "action": action, "hash": digest, "reason": reason})
             print(f"[study] plan {label}: {action.upper()} - {reason}", flush=True)
         return rows
@@ -301,6 +332,15 @@ class Study:
                       f"run moved to {aside}", flush=True)
             elif action == "resume":
                 print(f"[study] train {label}: {reason}", flush=True)
+            source = self.reusable(digest) if action == "train" else None
+            if source is not None:
+                shutil.copytree(source, run_dir, dirs_exist_ok=True)
+                _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
+                                       "seed": seed, "reused_from": str(source)})
+                print(f"[study] train {label}: the same training run (hash {digest}) is done "
+                      f"in {source}; copied, not retrained (reuse=)", flush=True)
+                self.record(key, "reused", run_dir=str(run_dir), hash=digest, source=str(source))
+                continue
             _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
                                    "seed": seed})
             overrides = [*self.spec.train, *job.overrides, f"train.seed={seed}",
@@ -465,7 +505,7 @@ def run_study(opts: DriverConfig) -> int:
     out = Path(opts.out or ROOT / "outputs" / "studies" / spec.name).resolve()
     threads = int(opts.threads or min(os.cpu_count() or 1, 8))
     study = Study(spec, out, threads, wandb=opts.wandb, group=opts.group,
-                  project=opts.project, on_change=opts.on_change)
+                  project=opts.project, on_change=opts.on_change, reuse=opts.reuse)
     old = out / "summary.json"
     if old.exists():   # keep the record of steps this invocation does not redo
         try:

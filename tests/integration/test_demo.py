@@ -95,6 +95,26 @@ def test_rerun_skips_what_is_done(tiny_study):
     assert steps["report"]["state"] == "ok"
 
 
+def test_another_study_directory_reuses_runs_of_the_same_training_hash(tiny_study, tmp_path):
+    first, _ = tiny_study
+    plan = run_study(tmp_path / "again", f"reuse=[{first}]", "only=plan")
+    assert "plan ced/seed0: REUSE" in plan.stdout and "plan broken/seed0: TRAIN" in plan.stdout
+    done = run_study(tmp_path / "again", f"reuse=[{first}]", "only=train")
+    steps = json.loads((tmp_path / "again" / "summary.json").read_text())["steps"]
+    for job in ("yoco", "ced"):
+        assert steps[f"train/{job}/seed0"]["state"] == "reused", steps
+        copied = tmp_path / "again" / "runs" / job / "seed0" / "final" / "model.safetensors"
+        assert copied.read_bytes() == (first / "runs" / job / "seed0" / "final"
+                                       / "model.safetensors").read_bytes()
+    assert steps["train/broken/seed0"]["state"] == "failed"
+    assert "copied, not retrained" in done.stdout
+    # a seed the first study never trained is trained, not reused
+    other = run_study(tmp_path / "seed1", f"reuse=[{first}]", "only=plan", "seeds=[1]")
+    assert "plan ced/seed1: TRAIN" in other.stdout
+    bad = run_study(tmp_path / "bad", f"reuse=[{tmp_path / 'nowhere'}]", "only=plan")
+    assert bad.returncode == 2 and "reuse:" in bad.stderr
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in STUDY_DIR.glob("*.yaml")))
 def test_every_study_parses(name):
     for scale in ("demo", "full"):

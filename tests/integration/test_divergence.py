@@ -1,6 +1,6 @@
 """The divergence runner on a tiny checkpoint trained inside the test: exact modes report
-KL <= 1e-6, bounded replay with N < R_exact on prompts longer than R_exact clearly more, and the
-run writes its table, summary and plots."""
+KL at float64 round-off (<= 1e-12), bounded replay with N < R_exact on prompts longer than
+R_exact clearly more, and the run writes its table, summary and plots."""
 
 from __future__ import annotations
 
@@ -57,10 +57,12 @@ def test_divergence_run_separates_exact_from_bounded_modes(checkpoint, tmp_path)
     exact_modes = ["replay=exact", "turn=3,policy=cached_hidden,replay=exact,encoder_replay=15"]
     bounded = ["replay=1", "replay=4", "turn=3,policy=suffix_only,replay=8",
                "turn=3,policy=cached_hidden,replay=exact,encoder_replay=4"]
+    # float64 throughout: exact modes sit at round-off (about 1e-17); a 15-step model drifts
+    # little under bounded replay (replay=4 measured 9.7e-7 on CI), but far above round-off.
     for mode in exact_modes:
-        assert kl[mode] <= 1e-6, (mode, kl[mode])
+        assert kl[mode] <= 1e-12, (mode, kl[mode])
     for mode in bounded:
-        assert kl[mode] > 1e-6, (mode, kl[mode])
+        assert kl[mode] > 1e-10, (mode, kl[mode])
 
     table = pd.read_parquet(out / "divergence.parquet")
     assert {"checkpoint", "T", "prompt", "mode", "N", "metric", "step", "value"} <= set(table)

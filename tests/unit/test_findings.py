@@ -84,12 +84,14 @@ def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
         run = study / "suite" / "ced" / f"seed{seed}"
         run.mkdir(parents=True)
         part.drop(columns=["job", "train_seed", "run"]).to_csv(run / "results.csv", index=False)
-        (run / "summary.json").write_text(json.dumps({"settings": {"window": 4, "r_exact": 7}}))
+        (run / "summary.json").write_text(json.dumps({"run": {"settings": {"window": 4,
+                                                                           "r_exact": 7}}}))
     out = tmp_path / "out"
     assert main(["--study", str(study), "--out", str(out)]) == 0
     for name in ("accuracy.csv", "capability_drop.csv", "competence.csv", "divergence.csv",
                  "accuracy_vs_N.png", "kl_vs_N.png", "findings.md"):
         assert (out / name).exists(), name
-    assert "replay=4" in (out / "findings.md").read_text()
+    text = (out / "findings.md").read_text()
+    assert "replay=4" in text and '"W": 4, "R_exact": 7' in text
     with pytest.raises(SystemExit):
         main(["--study", str(tmp_path / "nothing"), "--out", str(out)])

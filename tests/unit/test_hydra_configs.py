@@ -15,7 +15,8 @@ from hydra.core.global_hydra import GlobalHydra
 
 import ced.train as trainer
 from ced.train_config import ConfigError, validate
-from experiments.run import DRIVER_KEYS, DriverConfig, check_driver_overrides
+from experiments.run import (DRIVER_KEYS, DriverConfig, check_driver_overrides,
+                             training_overrides)
 from experiments.study import STUDY_DIR, StudyError, load_study
 
 STUDIES = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
@@ -217,3 +218,19 @@ def test_mixed_precision_defers_to_accelerate(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(ConfigError, match="fp16 does nothing on CPU"):
         trainer.make_accelerator(config, tmp_path)
+
+
+# The findings scale trains each shared run once: these jobs of different studies must train the
+# very same thing (same overrides, so the same hash), or `reuse=` silently retrains them.
+SHARED_RUNS = [("replay_length", "no_sim"), ("variants", "ced"), ("topk", "k16"),
+               ("multi_turn", "no_sim")], [("replay_length", "sim_uniform_2W"),
+                                           ("multi_turn", "sim_uniform_2W")]
+
+
+@pytest.mark.parametrize("scale", ["demo", "full"])
+@pytest.mark.parametrize("group", SHARED_RUNS, ids=["no_sim", "sim_uniform_2W"])
+def test_jobs_shared_between_studies_train_the_same_run(group, scale):
+    trained = {(name, job): training_overrides(load_study(name, scale), job, 0)
+               for name, job in group}
+    first = next(iter(trained.values()))
+    assert all(t == first for t in trained.values()), trained
