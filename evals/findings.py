@@ -25,7 +25,9 @@ writes into --out:
                         R_exact marked; `full` as a dashed level
   kl_vs_N.png           first-token KL against N per job, next to the accuracy drop of the
                         same N (pooled over families the exact model is competent in)
-  findings.md           the tables above in Markdown, for FINDINGS.md
+  provenance.json       the study's commands, git commits and step times (summary.json)
+  findings.md           the tables above in Markdown, for FINDINGS.md, headed by the
+                        provenance
 
 Pooling over seeds pairs examples within a seed (the same document under `full` and under the
 mode, on the same checkpoint); the seeds' checkpoints differ, so the pooled test asks whether
@@ -219,6 +221,41 @@ def geometry(study: Path) -> dict[str, dict]:
     return out
 
 
+def provenance(study: Path) -> dict:
+    """Where the numbers come from, from the driver's summary.json: the study, scale and seeds,
+    every invocation (command, git commit, whether the tree was dirty, wall time) and the
+    seconds spent per kind of step (train / divergence / suite), summed over the steps that
+    ran (a skipped or reused step keeps the seconds of the invocation that ran it)."""
+    path = study / "summary.json"
+    if not path.exists():
+        return {}
+    record = json.loads(path.read_text())
+    seconds: dict[str, float] = {}
+    for key, step in record.get("steps", {}).items():
+        if "seconds" in step:
+            kind = key.split("/", 1)[0].split(" ", 1)[0]
+            seconds[kind] = seconds.get(kind, 0.0) + float(step["seconds"])
+    return {"study": record.get("study"), "scale": record.get("scale"),
+            "seeds": record.get("seeds"), "invocations": record.get("invocations", []),
+            "step_seconds": {k: round(v, 1) for k, v in sorted(seconds.items())},
+            "total_step_seconds": round(sum(seconds.values()), 1)}
+
+
+def _provenance_markdown(info: dict) -> list[str]:
+    if not info:
+        return ["(no summary.json in the study directory: command and commit unknown)", ""]
+    lines = [f"Study `{info['study']}`, scale `{info['scale']}`, seeds {info['seeds']}. "
+             f"Step time: {info['total_step_seconds'] / 60:.1f} min on this machine "
+             f"({', '.join(f'{k} {v / 60:.1f} min' for k, v in info['step_seconds'].items())}).",
+             "", "| command | commit | tree | wall time |", "|---|---|---|---|"]
+    for run in info["invocations"]:
+        commit = (run.get("commit") or "unknown")[:10]
+        tree = "dirty" if run.get("dirty") else "clean" if run.get("commit") else "?"
+        lines.append(f"| `{run.get('command', '?')}` | {commit} | {tree} | "
+                     f"{float(run.get('elapsed_s', 0)) / 60:.1f} min |")
+    return lines + [""]
+
+
 def replay_of(mode: str, r_exact: int | None) -> float:
     """N of a single-turn replay mode (`replay=exact`: R_exact); NaN for `full`, multi-turn
     and anything else."""
@@ -287,7 +324,11 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
         with_replay_length(kl, marks), with_replay_length(drop_points, marks), marks),
         out / "kl_vs_N.png")
     pooled_drops = drops[drops["x"] == "all"] if not drops.empty else drops
+    info = provenance(study)
+    written["provenance"] = out / "provenance.json"
+    written["provenance"].write_text(json.dumps(info, indent=1) + "\n")
     md = [f"# {study.name}: seed-pooled findings tables (python -m evals.findings)", "",
+          *_provenance_markdown(info),
           f"Geometry per job: {json.dumps(marks)}", "",
           "## Competence of the exact model (`full`, pooled over distances and seeds)", "",
           _markdown(competence, ["job", "family", "seeds", "n", "accuracy", "ci_low", "ci_high",

@@ -22,7 +22,9 @@ job is trained with, and divergence and suite settings. Layout of the study dire
     suite/<job>/seed<k>[@topk=K]/   evals.suites per checkpoint (and eval-time top-k override)
     logs/<step>.log            the full output of every subprocess
     report/                    report.md, report.html, PNG plots (evals.report)
-    summary.json               the status of every step: ok / skipped / failed / refused
+    summary.json               the status of every step (ok / skipped / reused / failed /
+                               refused, with its seconds) and every invocation of the driver
+                               here (command, git commit, wall time)
 
 Every step records the hash of its inputs (`study_step.json` in its directory: for training,
 the normalised overrides and seed; for evaluations, their settings and the hashes of the
@@ -119,6 +121,22 @@ def training_overrides(spec: StudyConfig, job_name: str, seed: int) -> list[str]
     return normalise_overrides([o for o in items if not _is_bookkeeping(o)])
 
 
+def source_version() -> dict[str, Any]:
+    """The git commit of the code that runs (and whether tracked files differ from it), so a
+    number in FINDINGS.md can name the commit that produced it; {} outside a git checkout."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+        if done.returncode != 0:
+            raise OSError(done.stderr.strip())
+        return done.stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
 def describe_change(old: list[str], new: list[str]) -> str:
     """The overrides that differ between two normalised lists, as one short line."""
     removed = [o for o in old if o not in new]
@@ -205,6 +223,11 @@ class Study:
         self.group, self.project, self.on_change = group or spec.name, project, on_change
         self.status: dict[str, dict] = {}
         self.started = time.time()
+        # every invocation of the driver on this directory: its command, commit and wall time
+        self.invocations: list[dict] = []
+        self.invocation = {"command": " ".join(["python -m experiments.run", *sys.argv[1:]]),
+                           **source_version(),
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         self.env = {"WANDB_RUN_GROUP": self.group, "WANDB_PROJECT": project,
                     "WANDB_SILENT": "true", "OMP_NUM_THREADS": str(threads),
                     "PYTHONUNBUFFERED": "1",
@@ -227,7 +250,9 @@ class Study:
             "study": self.spec.name, "scale": self.spec.scale,
             "description": self.spec.description, "seeds": list(self.spec.seeds),
             "out": str(self.out), "steps": self.status, "failed": self.failed(),
-            "elapsed_s": round(time.time() - self.started, 1)}, indent=1))
+            "elapsed_s": round(time.time() - self.started, 1),
+            "invocations": [*self.invocations, {**self.invocation, "elapsed_s": round(
+                time.time() - self.started, 1)}]}, indent=1))
 
     def runs(self) -> list[tuple[str, int, str]]:
         """(job, seed, label) of every training run, label = '<job>/seed<k>'."""
@@ -509,7 +534,9 @@ def run_study(opts: DriverConfig) -> int:
     old = out / "summary.json"
     if old.exists():   # keep the record of steps this invocation does not redo
         try:
-            study.status = json.loads(old.read_text()).get("steps", {})
+            record = json.loads(old.read_text())
+            study.status = record.get("steps", {})
+            study.invocations = list(record.get("invocations", []))
         except ValueError:
             pass
     print(f"[study] {spec.name} (scale={spec.scale}): {len(spec.jobs)} jobs x seeds "

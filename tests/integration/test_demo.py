@@ -90,9 +90,17 @@ def test_rerun_skips_what_is_done(tiny_study):
         assert line in second.stdout
     assert "train broken/seed0: FAILED" in second.stdout
     assert metrics.stat().st_mtime_ns == stamp
-    steps = json.loads((out / "summary.json").read_text())["steps"]
+    summary = json.loads((out / "summary.json").read_text())
+    steps = summary["steps"]
     assert steps["train/ced/seed0"]["state"] == "skipped"
     assert steps["report"]["state"] == "ok"
+    # both invocations are on record, with the commit that ran (FINDINGS.md cites it)
+    runs = summary["invocations"]
+    assert len(runs) == 2 and all("study=tiny" in r["command"] for r in runs)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    if head:
+        assert runs[-1]["commit"] == head and isinstance(runs[-1]["dirty"], bool)
 
 
 def test_another_study_directory_reuses_runs_of_the_same_training_hash(tiny_study, tmp_path):

@@ -6,8 +6,8 @@ not by position. With the loss on answer tokens only, a small yoco learns it com
 steps (about 35 s on one core); with the same budget and the loss on every token it stays near
 chance, because the filler words dominate the gradient (measured: 1.00 against 0.02).
 
-Associative recall (`kv_recall`): with `ModelConfig.shift_tokens` (input token mixing) and
-zoology's `K7 ... ?K` format, a small yoco learns it in 250 steps (FINDINGS.md section 0)."""
+Associative recall through ced's global read is in test_recipe_recall.py (a file of its own, so
+that pytest-xdist's --dist loadfile runs the two slow tests on different workers)."""
 
 from __future__ import annotations
 
@@ -46,28 +46,3 @@ def test_loss_on_answers_learns_retrieval_that_the_full_loss_does_not(tmp_path):
     assert answers["val/acc/copy"] >= 0.8, answers
     assert everything["val/acc/copy"] < 0.3, everything
     assert answers["val/answer_loss"] < 0.5 * everything["val/answer_loss"]
-
-
-# Associative recall through ced's global reads (FINDINGS.md 0.4): MQAR-style kv_recall (8 pairs,
-# 2 queries, no filler), two examples packed per row with the document mask. With the encoder
-# held still for its first 120 steps, a small ced finds each key's value by content within 200
-# steps (measured 0.99 at step 200); with the same rows and budget but the encoder learning
-# from step 0 it stays near the key-blind level (measured 0.11). Both runs together take about
-# 100 s on one thread.
-RECALL = ["model=ced", "model.topk=16", "model.d_model=128", "model.n_heads=4",
-          "model.n_encoder_layers=2", "model.n_decoder_layers=2", "model.window=8",
-          "model.global_from_layer=1", "model.encoder_kv_groups=1", "model.max_seq_len=72",
-          "train.seq_len=72", "train.batch_size=32", "train.steps=200", "train.eval_every=200",
-          "train.eval_batches=8", "train.save_every=200", "optim.warmup_steps=20",
-          "data.only=[kv_recall]", "data.tasks.kv_recall.filler=0",
-          "data.tasks.kv_recall.n_pairs=8", "data.tasks.kv_recall.queries=2",
-          "train.loss_on=answers", "train.document_mask=true"]
-
-
-def test_a_held_encoder_lets_ced_learn_associative_recall(tmp_path):
-    run_train(tmp_path / "held", "optim.encoder_hold_steps=120", "optim.encoder_ramp_steps=40",
-              base=RECALL)
-    run_train(tmp_path / "free", base=RECALL)
-    held, free = final_metrics(tmp_path / "held"), final_metrics(tmp_path / "free")
-    assert held["val/acc/kv_recall"] >= 0.8, held
-    assert free["val/acc/kv_recall"] < 0.5, free

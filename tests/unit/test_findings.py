@@ -88,10 +88,27 @@ def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
                                                                            "r_exact": 7}}}))
     out = tmp_path / "out"
     assert main(["--study", str(study), "--out", str(out)]) == 0
+    assert "command and commit unknown" in (out / "findings.md").read_text()
+    # the driver's summary.json: two invocations (an interrupted one and its resume)
+    (study / "summary.json").write_text(json.dumps({
+        "study": "fake", "scale": "full", "seeds": [0, 1],
+        "steps": {"train/ced/seed0": {"state": "ok", "seconds": 120.0},
+                  "train/ced/seed1": {"state": "skipped"},
+                  "suite ced/seed0": {"state": "ok", "seconds": 30.0},
+                  "divergence": {"state": "ok", "seconds": 12.0}},
+        "invocations": [{"command": "python -m experiments.run study=fake", "commit": "a" * 40,
+                         "dirty": False, "elapsed_s": 60.0},
+                        {"command": "python -m experiments.run study=fake", "commit": "b" * 40,
+                         "dirty": True, "elapsed_s": 102.0}]}))
+    assert main(["--study", str(study), "--out", str(out)]) == 0
     for name in ("accuracy.csv", "capability_drop.csv", "competence.csv", "divergence.csv",
-                 "accuracy_vs_N.png", "kl_vs_N.png", "findings.md"):
+                 "accuracy_vs_N.png", "kl_vs_N.png", "findings.md", "provenance.json"):
         assert (out / name).exists(), name
     text = (out / "findings.md").read_text()
     assert "replay=4" in text and '"W": 4, "R_exact": 7' in text
+    assert "| `python -m experiments.run study=fake` | bbbbbbbbbb | dirty | 1.7 min |" in text
+    info = json.loads((out / "provenance.json").read_text())
+    assert info["step_seconds"] == {"divergence": 12.0, "suite": 30.0, "train": 120.0}
+    assert info["total_step_seconds"] == 162.0
     with pytest.raises(SystemExit):
         main(["--study", str(tmp_path / "nothing"), "--out", str(out)])
