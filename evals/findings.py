@@ -17,14 +17,18 @@ writes into --out:
   competence.csv        per job x family: `full` accuracy pooled over seeds and distances, and
                         whether the exact model is competent (>= COMPETENT) there, so that a
                         drop is only read where there is something to lose
-  divergence.csv        per job x T x mode: first-token KL(exact || mode) and top-1 agreement,
-                        mean over prompts and seeds with a bootstrap 95% CI over (seed, prompt),
-                        and each seed's mean
+  divergence.csv        per job x T x mode: first-token KL(exact || mode) and top-1 agreement
+                        at the cut of a validation prompt (evals.divergence), mean over prompts
+                        and seeds with a bootstrap 95% CI over (seed, prompt), each seed's mean
+  answer_kl.csv         per job x family x mode: KL(full || mode) at the suite's answers
+                        (teacher-forced, summed over the answer's tokens), mean over examples
+                        and seeds with a bootstrap 95% CI, each seed's mean
   accuracy_vs_N.png     accuracy against the replay length N per family, a line per job
                         (pooled over seeds and distances, band: min-max over seeds), W and
                         R_exact marked; `full` as a dashed level
-  kl_vs_N.png           first-token KL against N per job, next to the accuracy drop of the
-                        same N (pooled over families the exact model is competent in)
+  kl_vs_N.png           KL against N per job (at a prompt cut; at the answer, per family),
+                        next to the accuracy drop of the same N (pooled over families the
+                        exact model is competent in)
   provenance.json       the study's commands, git commits and step times (summary.json)
   findings.md           the tables above in Markdown, for FINDINGS.md, headed by the
                         provenance
@@ -198,6 +202,29 @@ def divergence_table(study: Path, seed: int = 0, resamples: int = 2000) -> pd.Da
     return pd.DataFrame(rows)
 
 
+def answer_kl_table(results: pd.DataFrame, seed: int = 0,
+                    resamples: int = 2000) -> pd.DataFrame:
+    """KL(full || mode) at the answer (the suite's `kl_answer`: summed over the target's
+    teacher-forced tokens) per job x family x mode, pooled over distances and seeds: mean with a
+    bootstrap 95% CI over examples, and each seed's mean. Empty for results without the column
+    (suites run before it existed)."""
+    if "kl_answer" not in results:
+        return pd.DataFrame()
+    rng = np.random.default_rng(seed)
+    rows = []
+    for (job, family, mode), part in results[results["mode"] != FULL].groupby(
+            ["job", "family", "mode"], sort=False):
+        values = part["kl_answer"].to_numpy(dtype=float)
+        boots = rng.choice(values, size=(resamples, len(values))).mean(axis=1)
+        per_seed = part.groupby("train_seed")["kl_answer"].mean()
+        rows.append({"job": job, "family": family, "mode": mode, "n": len(values),
+                     "mean": values.mean(), "ci_low": np.quantile(boots, 0.025),
+                     "ci_high": np.quantile(boots, 0.975),
+                     "per_seed": " ".join(f"{v:.3g}" for v in per_seed.values)})
+    table = pd.DataFrame(rows)
+    return table.sort_values(["job", "family", "mode"], kind="stable").reset_index(drop=True)
+
+
 def _checkpoint_label(path: str) -> tuple[str, int | None]:
     """(job, training seed) of a checkpoint path `.../runs/<job>/seed<k>/final`."""
     parts = Path(str(path)).parts
@@ -306,9 +333,11 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     drops = capability_drop_table(results, alpha)
     competence = competence_table(accuracy)
     divergence = divergence_table(study)
+    answer_kl = answer_kl_table(results)
     written = {}
     for name, table in (("accuracy", accuracy), ("capability_drop", drops),
-                        ("competence", competence), ("divergence", divergence)):
+                        ("competence", competence), ("divergence", divergence),
+                        ("answer_kl", answer_kl)):
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
     pooled = accuracy[accuracy["x"] == "all"]
@@ -321,8 +350,8 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     drop_points = (drops[drops["x"] == "all"].merge(competent, on=["job", "family"])
                    if not drops.empty else drops)
     written["kl_vs_N"] = plots.save(plots.findings_divergence_figure(
-        with_replay_length(kl, marks), with_replay_length(drop_points, marks), marks),
-        out / "kl_vs_N.png")
+        with_replay_length(kl, marks), with_replay_length(drop_points, marks), marks,
+        answer_kl=with_replay_length(answer_kl, marks)), out / "kl_vs_N.png")
     pooled_drops = drops[drops["x"] == "all"] if not drops.empty else drops
     info = provenance(study)
     written["provenance"] = out / "provenance.json"
@@ -343,7 +372,12 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
                     else drops, ["job", "family", "x", "mode", "n", "acc_full", "acc_mode",
                                  "difference", "ci_low", "ci_high", "p_holm",
                                  "per_seed_difference"]),
-          "## First-token divergence (mean over prompts and seeds, bootstrap 95% CI)", "",
+          "## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
+          "examples and seeds, bootstrap 95% CI)", "",
+          _markdown(answer_kl, ["job", "family", "mode", "n", "mean", "ci_low", "ci_high",
+                                "per_seed"], 3),
+          "## First-token divergence at a validation prompt's cut (mean over prompts and "
+          "seeds, bootstrap 95% CI)", "",
           _markdown(divergence, ["job", "T", "mode", "metric", "n", "mean", "ci_low", "ci_high",
                                  "per_seed"], 3)]
     written["findings"] = out / "findings.md"

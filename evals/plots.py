@@ -370,13 +370,19 @@ def findings_accuracy_figure(points: pd.DataFrame, full: pd.DataFrame,
 
 
 def findings_divergence_figure(kl: pd.DataFrame, drops: pd.DataFrame,
-                               marks: Mapping[str, Mapping[str, int | None]]) -> Figure:
-    """Left: first-token KL(exact || replay N) against N per job and prompt length T (log
-    scale, bootstrap band); right: the paired accuracy drop at the same N per job and family
-    with its 95% CI (only families the exact model is competent in)."""
-    fig, axes = _grid(2, 5.0, 3.6)
+                               marks: Mapping[str, Mapping[str, int | None]],
+                               answer_kl: pd.DataFrame | None = None) -> Figure:
+    """Left: first-token KL(exact || replay N) at the cut of a validation prompt against N per
+    job and prompt length T (log scale, bootstrap band); middle (when `answer_kl` has rows):
+    KL(full || replay N) at the suite's answers per job and family; right: the paired
+    accuracy drop at the same N per job and family with its 95% CI (only families the exact
+    model is competent in)."""
+    answer_kl = answer_kl if answer_kl is not None else pd.DataFrame()
+    has_answer = not answer_kl.empty
+    fig, axes = _grid(3 if has_answer else 2, 5.0, 3.6)
     floor = 1e-18             # exact modes sit at rounding level; a log axis needs > 0
-    jobs = list(dict.fromkeys([*kl.get("job", []), *drops.get("job", [])]))
+    jobs = list(dict.fromkeys([*kl.get("job", []), *answer_kl.get("job", []),
+                               *drops.get("job", [])]))
     for (job, t), line in (kl.dropna(subset=["N"]).groupby(["job", "T"], sort=False)
                            if not kl.empty else []):
         line = line.sort_values("N")
@@ -386,18 +392,30 @@ def findings_divergence_figure(kl: pd.DataFrame, drops: pd.DataFrame,
         axes[0].fill_between(line["N"], line["ci_low"].clip(lower=floor),
                              line["ci_high"].clip(lower=floor), color=color, alpha=0.18)
     axes[0].set(xscale="log", yscale="log", xlabel="replay length N",
-                ylabel="KL(exact || replay N), first token", title="divergence")
+                ylabel="KL(exact || replay N), first token", title="divergence at a prompt cut")
+    if has_answer:
+        for j, ((job, family), line) in enumerate(answer_kl.dropna(subset=["N"]).groupby(
+                ["job", "family"], sort=False)):
+            line = line.sort_values("N")
+            axes[1].plot(line["N"], line["mean"].clip(lower=floor), marker="os^vD"[j % 5],
+                         color=f"C{jobs.index(job)}", label=f"{job}: {family}")
+            axes[1].fill_between(line["N"], line["ci_low"].clip(lower=floor),
+                                 line["ci_high"].clip(lower=floor),
+                                 color=f"C{jobs.index(job)}", alpha=0.12)
+        axes[1].set(xscale="log", yscale="log", xlabel="replay length N",
+                    ylabel="KL(full || replay N) at the answer", title="divergence at the answer")
+    right = axes[-1]
     for j, ((job, family), line) in enumerate(drops.dropna(subset=["N"]).groupby(
             ["job", "family"], sort=False) if not drops.empty else []):
         line = line.sort_values("N")
-        axes[1].errorbar(line["N"] * (1 + 0.03 * j), line["difference"],
+        right.errorbar(line["N"] * (1 + 0.03 * j), line["difference"],
                          yerr=[line["difference"] - line["ci_low"],
                                line["ci_high"] - line["difference"]],
                          marker="os^vD"[j % 5], color=f"C{jobs.index(job)}", capsize=2,
                          label=f"{job}: {family}")
-    axes[1].axhline(0, color="black", linewidth=0.8)
-    axes[1].set(xscale="log", xlabel="replay length N",
-                ylabel="accuracy(replay N) - accuracy(full)", title="capability drop (95% CI)")
+    right.axhline(0, color="black", linewidth=0.8)
+    right.set(xscale="log", xlabel="replay length N",
+              ylabel="accuracy(replay N) - accuracy(full)", title="capability drop (95% CI)")
     for ax in axes:
         _mark_first_geometry(ax, marks)
         ax.grid(alpha=0.3)

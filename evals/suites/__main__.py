@@ -2,7 +2,8 @@
 
 Runs the edge-case suite on one checkpoint and writes into --out:
   data/<family>.jsonl     the documents evaluated (deterministic in the settings)
-  results.csv             one row per example x mode (correct, nll, prediction, logit_diff, ...)
+  results.csv             one row per example x mode (correct, nll, kl_answer: KL(full || mode)
+                          over the answer tokens, prediction, logit_diff, ...)
   summary.csv/.json       accuracy per family x point x mode (and pooled, x=all), Wilson 95% CI
   paired_tests.csv        every mode vs full on the same examples (exact McNemar)
   capability_drop.csv     the cells where a mode is significantly below full (p < alpha)

@@ -134,12 +134,11 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
     for fam_name, fam_docs in by_family.items():
         fam = FAMILIES.get(fam_name)
         modes = base_modes + (turn_modes if fam is None or fam.turn_modes else [])
-        if FULL not in modes:
-            modes = [FULL] + modes
+        modes = [FULL] + [m for m in modes if m != FULL]    # full first: the reference
         for batch in _chunks(fam_docs, batch_size):
             ctx = torch.tensor([prompt_ids(d) for d in batch], device=device)
             tgt = torch.tensor([target_ids(d) for d in batch], device=device)
-            reference = None
+            reference = reference_logp = None
             for name in modes:
                 mode = parsed.get(name) or parse_mode(name)
                 try:
@@ -153,6 +152,11 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
                     reference = logits
                 logp = torch.log_softmax(logits, -1)
                 nll = -logp.gather(-1, tgt[..., None])[..., 0].sum(-1)
+                if name == FULL:
+                    reference_logp = logp
+                # KL(full || mode) at the answer: summed over the target's (teacher-forced)
+                # positions, in nats; the divergence that the accuracy is judged on
+                kl_answer = (reference_logp.exp() * (reference_logp - logp)).sum(-1).sum(-1)
                 pred = logits.argmax(-1)
                 correct = pred.eq(tgt).all(-1)
                 diff = (logits - reference).abs().amax((-1, -2))
@@ -170,6 +174,7 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
                         "length": doc["length"], "beyond_replay": _beyond(doc, n_eff),
                         "target": doc["target"], "prediction": _TOK.decode(pred[i]),
                         "correct": int(correct[i]), "nll": float(nll[i]),
+                        "kl_answer": max(float(kl_answer[i]), 0.0),
                         "logit_diff": float(diff[i]), "chance": doc.get("chance", ""),
                     })
         if progress:
@@ -201,6 +206,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "accuracy": k / n, "ci_low": lo, "ci_high": hi,
             "chance": sum(chance) / len(chance) if chance else "",
             "mean_nll": sum(r["nll"] for r in rs) / n,
+            "mean_kl_answer": sum(r["kl_answer"] for r in rs) / n,
             "agree_with_full": sum(r["prediction"] == full_pred.get(r["id"]) for r in rs) / n,
             "max_logit_diff": max(r["logit_diff"] for r in rs),
         })

@@ -105,10 +105,17 @@ def test_suite_cli_end_to_end(checkpoint, tmp_path):
     assert {s["family"] for s in summary["summary"]} == set(FAMILIES)
     assert summary["run"]["settings"]["r_exact"] == 11
 
-    diff = {}
+    diff, kl = {}, {}
     for r in rows:
         diff.setdefault((r["family"], r["mode"], int(r["length"])), []).append(
             float(r["logit_diff"]))
+        kl.setdefault((r["family"], r["mode"], int(r["length"])), []).append(
+            float(r["kl_answer"]))
+    # KL(full || mode) at the answer is >= 0, exactly 0 for full, at round-off where the mode is
+    # exact, and clearly positive somewhere for bounded replay of long prompts
+    assert all(v >= 0 for d in kl.values() for v in d)
+    assert all(v == 0 for (f, m, t), d in kl.items() if m == "full" for v in d)
+    assert max(max(d) for (f, m, t), d in kl.items() if m == "replay=5" and t > 11) > 1e-6
     # exact modes reproduce full; T <= N: bounded replay covers the prompt, so it is exact too
     for (family, mode, length), d in diff.items():
         exact = mode in ("full", "replay=exact") or (mode.startswith("replay=") and
@@ -117,6 +124,7 @@ def test_suite_cli_end_to_end(checkpoint, tmp_path):
         exact |= mode.startswith("turn=") and mode.endswith("cached_hidden,replay=exact")
         if exact:
             assert max(d) < 1e-9, (family, mode, length)
+            assert max(kl[(family, mode, length)]) < 1e-12, (family, mode, length)
     # ... and bounded replay on long prompts is not silently exact
     assert max(max(d) for (f, m, t), d in diff.items() if m == "replay=5" and t > 11) > 1e-3
     assert max(max(d) for (f, m, t), d in diff.items()

@@ -9,8 +9,8 @@ import math
 import pandas as pd
 import pytest
 
-from evals.findings import (accuracy_table, capability_drop_table, competence_table, main,
-                            paired_difference)
+from evals.findings import (accuracy_table, answer_kl_table, capability_drop_table,
+                            competence_table, main, paired_difference)
 from evals.suites.stats import binomial_two_sided, wilson_interval
 
 
@@ -20,9 +20,11 @@ def fake_results(cells: dict) -> pd.DataFrame:
     for (seed, x), pairs in cells.items():
         for i, (full, mode) in enumerate(pairs):
             for name, ok in (("full", full), ("replay=4", mode)):
+                # KL at the answer: 0 for full; for the mode, 0.1 * (seed + 1) per example
+                kl = 0.0 if name == "full" else 0.1 * (seed + 1)
                 rows.append({"id": f"recall/d={x}/{i}", "family": "recall", "x": str(x),
                              "mode": name, "correct": bool(ok), "job": "ced",
-                             "train_seed": seed, "run": f"ced/seed{seed}"})
+                             "train_seed": seed, "run": f"ced/seed{seed}", "kl_answer": kl})
     return pd.DataFrame(rows)
 
 
@@ -49,6 +51,19 @@ def test_drops_pool_pairs_over_seeds_and_keep_each_seed_beside():
     pooled = drops[drops["x"] == "all"].iloc[0]
     assert (pooled["n"], pooled["full_only"], pooled["mode_only"]) == (42, 7, 1)
     assert pooled["p_holm"] == pooled["p_value"]            # its own test
+
+
+def test_answer_kl_pools_examples_over_seeds_and_keeps_each_seed_beside():
+    table = answer_kl_table(fake_results(CELLS))
+    assert list(table["mode"]) == ["replay=4"]            # full is the reference, not a row
+    row = table.iloc[0]
+    n0, n1 = 14 + 8, 12 + 8                                # examples of seed 0 and seed 1
+    assert row["n"] == n0 + n1
+    assert row["mean"] == pytest.approx((0.1 * n0 + 0.2 * n1) / (n0 + n1))
+    assert row["ci_low"] <= row["mean"] <= row["ci_high"]
+    assert 0.1 - 1e-12 <= row["ci_low"] and row["ci_high"] <= 0.2 + 1e-12
+    assert row["per_seed"] == "0.1 0.2"
+    assert answer_kl_table(fake_results(CELLS).drop(columns="kl_answer")).empty
 
 
 def test_paired_difference_interval_is_agresti_min():
@@ -102,7 +117,8 @@ def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
                          "dirty": True, "elapsed_s": 102.0}]}))
     assert main(["--study", str(study), "--out", str(out)]) == 0
     for name in ("accuracy.csv", "capability_drop.csv", "competence.csv", "divergence.csv",
-                 "accuracy_vs_N.png", "kl_vs_N.png", "findings.md", "provenance.json"):
+                 "answer_kl.csv", "accuracy_vs_N.png", "kl_vs_N.png", "findings.md",
+                 "provenance.json"):
         assert (out / name).exists(), name
     text = (out / "findings.md").read_text()
     assert "replay=4" in text and '"W": 4, "R_exact": 7' in text
