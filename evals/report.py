@@ -5,7 +5,8 @@
 Reads `runs/<job>/seed<k>/metrics.jsonl` and `final/config.json` (runs are labelled
 `<job>/seed<k>`, so seeds stay apart; a `runs/<job>/` holding a run itself is labelled
 `<job>`), `divergence/summary.json`, `suite/<job>/seed<k>[@topk=K]/summary.json` and
-`capability_drop.csv`, `summary.json` (the driver's step status) and
+`results.csv` (capability drops are tested on examples paired within each seed and pooled over
+seeds, as in `evals.findings`), `summary.json` (the driver's step status) and
 prices every inference mode with the analytic cost model (`ced.cost.prefill_flops`). Writes into
 `<study_dir>/report/`: PNG plots, `report.md` and `report.html` (self-contained: the PNGs are
 embedded as base64, it opens from disk). The same plots and tables go to a wandb run
@@ -408,12 +409,29 @@ SECTIONS = [
      "longest mean prompt length of the suite runs), and the "
      "suite accuracy of that mode (mean over families).", "cost_quality", "frontier", False),
     ("Capability drop", "Cells where a mode is significantly below `full` on the same "
-     "examples (exact McNemar, p < 0.05; Holm-corrected p alongside).", "capability_drop",
+     "examples, paired within each seed and pooled over seeds (difference mode - full with "
+     "its Agresti-Min 95% CI, exact McNemar p Holm-corrected over the distances of a family; "
+     "x = all pools the distances), each seed's difference and p beside.", "capability_drop",
      None, False),
 ]
 
-DROP_COLUMNS = ["label", "family", "x", "mode", "n", "acc_full", "acc_mode", "delta", "p",
-                "p_holm"]
+DROP_COLUMNS = ["job", "family", "x", "mode", "n", "acc_full", "acc_mode", "difference",
+                "ci_low", "ci_high", "p_holm", "per_seed_difference", "per_seed_p"]
+
+
+def pooled_drops(study: Path) -> pd.DataFrame:
+    """The significant capability drops of a study, tested on examples paired within each seed
+    and pooled over seeds (`evals.findings.capability_drop_table`: x = "all" pools the
+    distances of a family, other rows are single distances, Holm over them), each seed's
+    difference and p beside; empty when no suite has run."""
+    from evals.findings import capability_drop_table, load_results
+    try:
+        drops = capability_drop_table(load_results(Path(study)))
+    except FileNotFoundError:
+        return pd.DataFrame()
+    if drops.empty:
+        return drops
+    return drops[drops["significant"]].reset_index(drop=True)
 
 
 @dataclass
@@ -430,9 +448,9 @@ class StudyData:
 
     @classmethod
     def load(cls, study: Path) -> "StudyData":
-        suite, drops, info = load_suite(study)
+        suite, _, info = load_suite(study)
         return cls(study, load_status(study), load_runs(study), load_divergence(study), suite,
-                   drops, info)
+                   pooled_drops(study), info)
 
     @property
     def steps(self) -> dict:

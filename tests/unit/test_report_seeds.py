@@ -33,3 +33,28 @@ def test_seed_spread_over_seeds_of_one_job():
     loss = table[table["what"] == "val loss"].iloc[0]
     assert loss["mean"] == pytest.approx(2.0) and loss["sd"] == pytest.approx(1.0)
     assert "yoco" not in set(table["job"])          # one seed: nothing to spread
+
+
+def test_report_drops_pair_within_seeds_and_pool_over_them(tmp_path):
+    """Two seeds, each with a drop too small to be significant alone (exact McNemar p = 0.125
+    and 0.0625), that pooled over seeds is (p = 0.004): the report lists it, seeds beside."""
+    from evals.report import pooled_drops
+    for seed, losses in ((0, 4), (1, 5)):
+        rows = []
+        for i in range(20):
+            lost = i < losses
+            for mode, ok in (("full", True), ("replay=4", not lost)):
+                rows.append({"id": f"recall/d=5/{i}", "family": "recall", "x": 5, "mode": mode,
+                             "correct": int(ok), "target": "7", "prediction": "7"})
+        run = tmp_path / "suite" / "ced" / f"seed{seed}"
+        run.mkdir(parents=True)
+        pd.DataFrame(rows).to_csv(run / "results.csv", index=False)
+    drops = pooled_drops(tmp_path)
+    assert set(drops["x"]) == {"5", "all"}
+    row = drops[drops["x"] == "all"].iloc[0]
+    assert (row["job"], row["mode"], row["n"]) == ("ced", "replay=4", 40)
+    assert row["difference"] == pytest.approx(-9 / 40)
+    assert row["p_value"] == pytest.approx(2 / 2 ** 9)
+    assert row["per_seed_difference"] == "-0.200 -0.250"
+    assert row["per_seed_p"] == "0.125 0.0625"
+    assert pooled_drops(tmp_path / "nowhere").empty
