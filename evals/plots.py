@@ -6,7 +6,8 @@ needed (the command-line tools run headless) and nothing is left open in pyplot'
 
 Used by `evals.divergence` (kl_vs_replay.png, top1_agree_vs_replay.png,
 layer_error_by_offset.png), `evals.suites.runner` (accuracy.png), `evals.report` (every plot of
-report.html) and notebooks/analysis.py.
+report.html), `evals.findings` (accuracy_vs_N.png, kl_vs_N.png), `evals.erf` (erf.png) and
+notebooks/analysis.py.
 
     from evals import plots
     fig = plots.divergence_figure(summary)          # summary.json of evals.divergence
@@ -423,3 +424,53 @@ def findings_divergence_figure(kl: pd.DataFrame, drops: pd.DataFrame,
             ax.legend(fontsize=7)
     return fig
 
+
+
+def erf_figure(table: pd.DataFrame, marks: Mapping[str, Mapping[str, int | None]],
+               divergence: pd.DataFrame | None = None) -> Figure:
+    """The decoder's effective receptive field (evals.erf), a line per job and decoder layer:
+    left, the gradient of log p(top-1) at the last position with respect to each decoder
+    layer's input, as a share of its total over d >= 1 (mean over prompts and seeds); middle,
+    KL after removing the cached window entry at distance d from one layer (or all); right,
+    KL of bounded replay N = d (everything at distance >= N dropped), with the first-token KL
+    of evals.divergence dashed when given. W and R_exact of the first job marked."""
+    fig, axes = _grid(3, 5.0, 3.6)
+    floor = 1e-18
+    jobs = list(dict.fromkeys(table["job"]))
+    styles = ["-", "--", ":", "-."]
+    grad = table[(table["view"] == "gradient") & (table["distance"] >= 1)]
+    for (job, layer), part in grad.groupby(["job", "layer"], sort=False):
+        mean = part.groupby("distance")["value"].mean()
+        share = mean / mean.sum() if mean.sum() > 0 else mean
+        layers = list(dict.fromkeys(grad.loc[grad["job"] == job, "layer"]))
+        axes[0].plot(share.index, share.where(share > 0), color=f"C{jobs.index(job)}",
+                     linestyle=styles[layers.index(layer) % 4],
+                     label=f"{job}: {'decoder input' if layer == 'total' else f'layer {layer}'}")
+    axes[0].set(yscale="log", xlabel="distance d from the last position",
+                ylabel="share of gradient influence (0 not drawn)",
+                title="gradient (window paths)")
+    reach = max((m.get("R_exact") or 0) for m in marks.values()) if marks else 0
+    if reach:
+        axes[0].set_xlim(0, reach + 3)
+    for view, ax, title in (("cache_drop", axes[1], "drop the cached entry at d"),
+                            ("replay", axes[2], "drop all state at distance >= N")):
+        part = table[(table["view"] == view) & (table["metric"] == "kl")]
+        for (job, layer), line in part.groupby(["job", "layer"], sort=False):
+            mean = line.groupby("distance")["value"].mean()
+            layers = list(dict.fromkeys(part.loc[part["job"] == job, "layer"]))
+            ax.plot(mean.index, mean.clip(lower=floor), marker=".", color=f"C{jobs.index(job)}",
+                    linestyle=styles[layers.index(layer) % 4],
+                    label=f"{job}: {'all layers' if layer == 'all' else f'layer {layer}'}")
+        ax.set(yscale="log", ylabel="KL(full || ablated), last position", title=title,
+               xlabel="distance d" if view == "cache_drop" else "replay length N")
+    if divergence is not None and not divergence.empty:
+        for job, line in divergence.groupby("job", sort=False):
+            color = f"C{jobs.index(job)}" if job in jobs else "black"
+            axes[2].plot(line["N"], line["value"].clip(lower=floor), linestyle="--",
+                         color=color, marker="x", label=f"{job}: evals.divergence (first token)")
+    for ax in axes:
+        _mark_first_geometry(ax, marks)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return fig
