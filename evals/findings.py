@@ -118,12 +118,24 @@ def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
     return _sorted(pd.DataFrame(rows))
 
 
-def _sorted(table: pd.DataFrame) -> pd.DataFrame:
+def _mode_order(mode: str) -> tuple:
+    """full, then replay=N by N, then replay=exact, then the rest by name."""
+    match = re.fullmatch(r"replay=(\d+)", mode)
+    if mode == FULL:
+        return (0, 0, "")
+    if match:
+        return (1, int(match.group(1)), "")
+    return (2, 0, "") if mode == "replay=exact" else (3, 0, mode)
+
+
+def _sorted(table: pd.DataFrame, keys: tuple = ("job", "family", "x")) -> pd.DataFrame:
+    """Rows by job, family, x (numeric, `all` last) and mode (`_mode_order`)."""
     if table.empty:
         return table
-    return (table.assign(_x=table["x"].map(_x_order))
-            .sort_values(["job", "family", "_x", "mode"], kind="stable")
-            .drop(columns="_x").reset_index(drop=True))
+    order = {"x": lambda c: c.map(_x_order), "mode": lambda c: c.map(_mode_order)}
+    return table.sort_values([*keys, "mode"], kind="stable",
+                             key=lambda c: order[c.name](c) if c.name in order else c
+                             ).reset_index(drop=True)
 
 
 def _discordant(part: pd.DataFrame) -> tuple[int, int, int]:
@@ -199,7 +211,7 @@ def divergence_table(study: Path, seed: int = 0, resamples: int = 2000) -> pd.Da
                      "mean": values.mean(), "ci_low": np.quantile(boots, 0.025),
                      "ci_high": np.quantile(boots, 0.975), "seeds": len(per_seed),
                      "per_seed": " ".join(f"{v:.3g}" for v in per_seed.values)})
-    return pd.DataFrame(rows)
+    return _sorted(pd.DataFrame(rows), keys=("job", "T", "metric"))
 
 
 def answer_kl_table(results: pd.DataFrame, seed: int = 0,
@@ -221,8 +233,7 @@ def answer_kl_table(results: pd.DataFrame, seed: int = 0,
                      "mean": values.mean(), "ci_low": np.quantile(boots, 0.025),
                      "ci_high": np.quantile(boots, 0.975),
                      "per_seed": " ".join(f"{v:.3g}" for v in per_seed.values)})
-    table = pd.DataFrame(rows)
-    return table.sort_values(["job", "family", "mode"], kind="stable").reset_index(drop=True)
+    return _sorted(pd.DataFrame(rows), keys=("job", "family"))
 
 
 def _checkpoint_label(path: str) -> tuple[str, int | None]:

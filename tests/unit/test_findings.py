@@ -128,3 +128,13 @@ def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
     assert info["total_step_seconds"] == 162.0
     with pytest.raises(SystemExit):
         main(["--study", str(tmp_path / "nothing"), "--out", str(out)])
+
+
+def test_modes_are_listed_by_replay_length():
+    from evals.findings import _sorted
+    modes = ["replay=exact", "replay=16", "turn=2,policy=suffix_only,replay=8", "replay=4",
+             "full", "replay=1"]
+    table = _sorted(pd.DataFrame({"job": "ced", "family": "recall", "x": "all",
+                                  "mode": modes}))
+    assert list(table["mode"]) == ["full", "replay=1", "replay=4", "replay=16", "replay=exact",
+                                   "turn=2,policy=suffix_only,replay=8"]
