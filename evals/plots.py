@@ -337,6 +337,15 @@ def _mark_first_geometry(ax, marks: Mapping[str, Mapping[str, int | None]]) -> N
                     transform=ax.get_xaxis_transform())
 
 
+def _finish(axes, marks: Mapping[str, Mapping[str, int | None]]) -> None:
+    """W and R_exact of the first job, a light grid and a small legend on every panel."""
+    for ax in axes:
+        _mark_first_geometry(ax, marks)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+
+
 def findings_accuracy_figure(points: pd.DataFrame, full: pd.DataFrame,
                              marks: Mapping[str, Mapping[str, int | None]]) -> Figure | None:
     """Accuracy against the replay length N, a panel per family and a line per job.
@@ -417,11 +426,7 @@ def findings_divergence_figure(kl: pd.DataFrame, drops: pd.DataFrame,
     right.axhline(0, color="black", linewidth=0.8)
     right.set(xscale="log", xlabel="replay length N",
               ylabel="accuracy(replay N) - accuracy(full)", title="capability drop (95% CI)")
-    for ax in axes:
-        _mark_first_geometry(ax, marks)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    _finish(axes, marks)
     return fig
 
 
@@ -468,9 +473,5 @@ def erf_figure(table: pd.DataFrame, marks: Mapping[str, Mapping[str, int | None]
             color = f"C{jobs.index(job)}" if job in jobs else "black"
             axes[2].plot(line["N"], line["value"].clip(lower=floor), linestyle="--",
                          color=color, marker="x", label=f"{job}: evals.divergence (first token)")
-    for ax in axes:
-        _mark_first_geometry(ax, marks)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    _finish(axes, marks)
     return fig
