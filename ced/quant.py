@@ -161,6 +161,29 @@ def storage_quantiser(name: str | None, key: str,
                      f"supported: {SUPPORTED}")
 
 
+# The three storage points by their short names in an evaluation-time override.
+STORAGE_POINTS = {"window": "window_kv_dtype", "global": "global_kv_dtype",
+                  "indexer": "indexer_key_dtype"}
+
+
+def parse_kv_override(spec: str) -> dict[str, str]:
+    """An evaluation-time storage override, e.g. "window:fp8,global:fp4_block16,indexer:fp4_block32",
+    -> {"window_kv_dtype": "fp8", ...}: the ModelConfig fields to replace on a trained model
+    (fake quantisation has no parameters, so any checkpoint can be read back with any format
+    CEDModel implements). A ValueError names the bad part and what is allowed."""
+    out: dict[str, str] = {}
+    for part in [p.strip() for p in str(spec).split(",") if p.strip()]:
+        point, sep, name = part.partition(":")
+        if not sep or point not in STORAGE_POINTS or not name:
+            raise ValueError(f"kv override {part!r}: expected POINT:FORMAT with POINT one of "
+                             f"{sorted(STORAGE_POINTS)} (e.g. global:fp4_block16)")
+        storage_quantiser(name, STORAGE_POINTS[point])          # a format the model can store
+        out[STORAGE_POINTS[point]] = name
+    if not out:
+        raise ValueError(f"kv override {spec!r}: empty; e.g. window:fp8,global:fp4_block16")
+    return out
+
+
 @dataclass(frozen=True)
 class KVStorage:
     """The quantisers of the three storage points (None: stored as computed): window K/V
@@ -186,4 +209,5 @@ def store(quantiser: Callable[[Tensor], Tensor] | None, x: Tensor) -> Tensor:
 
 
 __all__ = ["FloatGrid", "E4M3", "E2M1", "round_to_grid", "quantise_scaled", "round_trip_cast",
-           "straight_through", "StorageQuantiser", "storage_quantiser", "KVStorage", "store"]
+           "straight_through", "StorageQuantiser", "storage_quantiser", "KVStorage", "store",
+           "STORAGE_POINTS", "parse_kv_override"]

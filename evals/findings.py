@@ -2,7 +2,7 @@
 
     python -m evals.findings --study outputs/studies/replay_length --out findings/replay_length
 
-Reads what the study driver wrote (`suite/<job>/seed<k>[@topk=K]/results.csv`: one row per
+Reads what the study driver wrote (`suite/<job>/seed<k>[@topk=K][@kv=SPEC]/results.csv`: one row per
 example and mode; `divergence/divergence.parquet`; `runs/<job>/seed<k>/final/config.json`) and
 writes into --out:
 
@@ -20,6 +20,9 @@ writes into --out:
   divergence.csv        per job x T x mode: first-token KL(exact || mode) and top-1 agreement
                         at the cut of a validation prompt (evals.divergence), mean over prompts
                         and seeds with a bootstrap 95% CI over (seed, prompt), each seed's mean
+  override_drop.csv     runs with evaluation-time overrides (`@topk=K`, `@kv=SPEC`), every
+                        mode against the unmodified model's `full` on the same examples
+                        (`reference_drop_table`); only when the study has such runs
   answer_kl.csv         per job x family x mode: KL(full || mode) at the suite's answers
                         (teacher-forced, summed over the answer's tokens), mean over examples
                         and seeds with a bootstrap 95% CI, each seed's mean
@@ -56,7 +59,8 @@ from evals.suites.stats import binomial_two_sided, holm, wilson_interval
 FULL = "full"
 COMPETENT = 0.9            # `full` accuracy from which a family's drop is read as a finding
 Z95 = 1.959963984540054
-_LABEL = re.compile(r"^(?P<job>[^/]+)/seed(?P<seed>\d+)(?P<topk>@topk=[^/]+)?$")
+# `<job>/seed<k>` plus the evaluation-time overrides of the study driver: `@topk=K`, `@kv=SPEC`
+_LABEL = re.compile(r"^(?P<job>[^/]+)/seed(?P<seed>\d+)(?P<variant>(?:@(?:topk|kv)=[^@/]+)*)$")
 
 
 def paired_difference(b: int, c: int, n: int) -> tuple[float, float, float]:
@@ -82,8 +86,9 @@ def load_results(study: Path) -> pd.DataFrame:
             continue
         frame = pd.read_csv(path, dtype={"x": str, "target": str, "prediction": str},
                             low_memory=False)
-        job = match["job"] + (match["topk"] or "")
-        frames.append(frame.assign(job=job, train_seed=int(match["seed"]), run=label))
+        job = match["job"] + match["variant"]
+        frames.append(frame.assign(job=job, base_job=match["job"], train_seed=int(match["seed"]),
+                                   run=label))
     if not frames:
         raise FileNotFoundError(f"{study}/suite: no <job>/seed<k>/results.csv (run the study's "
                                 f"suite step first)")
@@ -183,6 +188,52 @@ def capability_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.Data
     return _sorted(table)
 
 
+def reference_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.DataFrame:
+    """Runs with evaluation-time overrides (`<job>@topk=K`, `<job>@kv=SPEC`) against the
+    unmodified model: every mode of the overridden run paired with the same job's `full` run
+    without overrides on the same examples (same seed, same document), pooled over seeds;
+    the columns of `capability_drop_table` plus `agree`, the share of examples whose
+    prediction is unchanged. So `<job>@kv=X` `full` is the cost of the storage format alone,
+    `replay=N` that of the format and bounded replay together (replay alone: the base job's
+    own capability_drop rows). Empty when no run has an override."""
+    if "base_job" not in results or (results["job"] == results["base_job"]).all():
+        return pd.DataFrame()
+    base = results[(results["job"] == results["base_job"]) & (results["mode"] == FULL)]
+    base = base[["base_job", "train_seed", "family", "id", "correct", "prediction"]]
+    rows = []
+    varied = results[results["job"] != results["base_job"]]
+    for (job, family, mode), cell in varied.groupby(["job", "family", "mode"], sort=False):
+        pairs = cell.merge(base, on=["base_job", "train_seed", "family", "id"],
+                           suffixes=("", "_ref"))
+        for x, part in [*pairs.groupby("x", sort=False), ("all", pairs)]:
+            mine, ref = part["correct"].astype(bool), part["correct_ref"].astype(bool)
+            b, c, n = int((ref & ~mine).sum()), int((mine & ~ref).sum()), len(part)
+            diff, low, high = paired_difference(b, c, n)
+            seeds = []
+            for _, seed_part in part.groupby("train_seed"):
+                sm, sr = seed_part["correct"].astype(bool), seed_part["correct_ref"].astype(bool)
+                sb, sc = int((sr & ~sm).sum()), int((sm & ~sr).sum())
+                seeds.append(((sc - sb) / len(seed_part), binomial_two_sided(sb, sb + sc)))
+            rows.append({"job": job, "family": family, "x": str(x), "mode": mode, "n": n,
+                         "acc_full": ref.mean() if n else math.nan,
+                         "acc_mode": mine.mean() if n else math.nan, "difference": diff,
+                         "ci_low": low, "ci_high": high, "full_only": b, "mode_only": c,
+                         "p_value": binomial_two_sided(b, b + c),
+                         "agree": float((part["prediction"].astype(str)
+                                         == part["prediction_ref"].astype(str)).mean())
+                         if n else math.nan,
+                         "per_seed_difference": " ".join(f"{d:+.3f}" for d, _ in seeds),
+                         "per_seed_p": " ".join(f"{p:.3g}" for _, p in seeds)})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    table["p_holm"] = table["p_value"]
+    for _, part in table[table["x"] != "all"].groupby(["job", "family", "mode"]):
+        table.loc[part.index, "p_holm"] = holm(part["p_value"].tolist())
+    table["significant"] = (table["p_holm"] < alpha) & (table["difference"] < 0)
+    return _sorted(table)
+
+
 def competence_table(accuracy: pd.DataFrame) -> pd.DataFrame:
     """`full` accuracy per job x family pooled over distances and seeds, and competence."""
     full = accuracy[(accuracy["mode"] == FULL) & (accuracy["x"] == "all")]
@@ -254,8 +305,8 @@ def geometry(study: Path) -> dict[str, dict]:
         settings = record.get("run", {}).get("settings") or record.get("settings", {})
         match = _LABEL.match(f"{path.parent.parent.name}/{path.parent.name}")
         if match is not None:
-            job = match["job"] + (match["topk"] or "")
-            out.setdefault(job, {"W": settings.get("window"), "R_exact": settings.get("r_exact")})
+            out.setdefault(match["job"] + match["variant"],
+                           {"W": settings.get("window"), "R_exact": settings.get("r_exact")})
     return out
 
 
@@ -345,10 +396,13 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     competence = competence_table(accuracy)
     divergence = divergence_table(study)
     answer_kl = answer_kl_table(results)
+    against_base = reference_drop_table(results, alpha)
     written = {}
     for name, table in (("accuracy", accuracy), ("capability_drop", drops),
                         ("competence", competence), ("divergence", divergence),
-                        ("answer_kl", answer_kl)):
+                        ("answer_kl", answer_kl), ("override_drop", against_base)):
+        if name == "override_drop" and table.empty:
+            continue
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
     pooled = accuracy[accuracy["x"] == "all"]
@@ -383,6 +437,12 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
                     else drops, ["job", "family", "x", "mode", "n", "acc_full", "acc_mode",
                                  "difference", "ci_low", "ci_high", "p_holm",
                                  "per_seed_difference"]),
+          *([] if against_base.empty else [
+              "## Evaluation-time overrides against the unmodified model (pooled over "
+              "distances; `full` of an override is its cost alone)", "",
+              _markdown(against_base[against_base["x"] == "all"],
+                        ["job", "family", "mode", "n", "acc_full", "acc_mode", "difference",
+                         "ci_low", "ci_high", "p_value", "agree", "per_seed_difference"])]),
           "## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
           "examples and seeds, bootstrap 95% CI)", "",
           _markdown(answer_kl, ["job", "family", "mode", "n", "mean", "ci_low", "ci_high",

@@ -463,13 +463,15 @@ class Study:
         from ced.checkpoint import load_config
         ref = self._reference_config(checkpoints)
         replays = [v for v in resolve_lengths(list(spec.replay), ref) if v != "exact"]
-        topks = list(spec.topk) or [None]
+        overrides = [(topk, kv) for topk in (list(spec.topk) or [None])
+                     for kv in (list(spec.kv) or [None])]
         for run_label, (final, trained) in checkpoints.items():
             traits = load_config(final).traits
-            for topk in topks:
+            for topk, kv in overrides:
                 if topk is not None and not traits.topk_study:
                     continue    # top-k overrides apply to the variant the top-k study is about
-                label = run_label if topk is None else f"{run_label}@topk={topk}"
+                label = (run_label + ("" if topk is None else f"@topk={topk}")
+                         + ("" if kv is None else f"@kv={kv}"))
                 key, out = f"suite/{label}", self.out / "suite" / label
                 settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),
                             *[str(a) for a in spec.args]]
@@ -479,6 +481,8 @@ class Study:
                     settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), ref))]
                 if topk is not None:
                     settings += ["--topk", str(topk)]
+                if kv is not None:
+                    settings += ["--kv", str(kv)]
                 digest = config_hash({"settings": settings, "trained": trained})
                 if self._fresh(f"suite {label}", out, out / "summary.json", digest):
                     self.record(key, "skipped", out=str(out), hash=digest)

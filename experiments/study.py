@@ -43,6 +43,9 @@ class SuiteSpec:
     replay: List[Any] = field(default_factory=lambda: [8])
     examples: int = 20
     topk: List[Any] = field(default_factory=lambda: [None])   # eval-time top-k overrides
+    # eval-time KV storage overrides (`ced.quant.parse_kv_override`, null: as trained), e.g.
+    # [null, "global:fp4_block16", "window:fp8,global:fp4_block16,indexer:fp4_block32"]
+    kv: List[Any] = field(default_factory=lambda: [None])
     families: Optional[List[str]] = None                       # null: every family
     turns: List[Any] = field(default_factory=list)
     args: List[str] = field(default_factory=list)              # passed through verbatim
@@ -206,6 +209,14 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
     if not study.seeds or len(set(study.seeds)) != len(study.seeds):
         raise StudyError(f"{where}seeds: need at least one seed and distinct seeds; "
                          f"got {study.seeds}")
+    if study.suite is not None:
+        from ced.quant import parse_kv_override
+        for i, spec in enumerate(study.suite.kv):
+            if spec is not None:
+                try:
+                    parse_kv_override(spec)
+                except ValueError as exc:
+                    raise StudyError(f"{where}suite.kv[{i}]: {exc}") from None
     return study
 
 

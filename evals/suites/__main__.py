@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--needle-distractors", type=int, default=None,
                    help="default: topk + 1")
     p.add_argument("--topk", default=None, help="override the checkpoint's top-k (int or 'all')")
+    p.add_argument("--kv", default=None,
+                   help="override KV storage formats, e.g. window:fp8,global:fp4_block16,"
+                        "indexer:fp4_block32 (fake quantisation at the storage points)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--device", default="cpu")
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         result = run_suite(
             args.checkpoint, args.replay, args.out, examples=args.examples,
             families=args.families, turns=args.turns, batch_size=args.batch_size,
-            dtype=args.dtype, device=args.device, topk=args.topk,
+            dtype=args.dtype, device=args.device, topk=args.topk, kv=args.kv,
             extra_distances=args.distances, max_length=args.max_length,
             needle_distractors=args.needle_distractors, alpha=args.alpha,
             seed_offset=args.seed_offset, make_plot=not args.no_plot, wandb=args.wandb,

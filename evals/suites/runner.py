@@ -37,6 +37,7 @@ from ced.checkpoint import load_model
 from ced.config import default_hidden_tail, resolve_replay
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
+from ced.quant import parse_kv_override
 from evals.modes import Mode, mode_logits, parse_mode
 
 from .families import FAMILIES, SuiteSettings, build_documents, prompt_ids, target_ids, write_jsonl
@@ -49,10 +50,13 @@ FULL = "full"
 # ---- model ----------------------------------------------------------------------------------
 
 def load_checkpoint(path: str | Path, topk: int | str | None = None, dtype: str = "float32",
-                    device: str = "cpu") -> CEDModel:
+                    device: str = "cpu", kv: str | None = None) -> CEDModel:
     """`ced.checkpoint.load_model`, optionally with the top-k replaced (an int, or "all": read
-    every visible global entry, i.e. top-k = max_seq_len) and cast to `dtype`."""
+    every visible global entry, i.e. top-k = max_seq_len) and/or the KV storage formats
+    replaced (`kv`: `ced.quant.parse_kv_override`, e.g. "global:fp4_block16"), cast to
+    `dtype`."""
     model = load_model(path, map_location=device)
+    changes: dict = {}
     if topk is not None and str(topk).lower() not in ("", "none", "null"):
         all_entries = str(topk).lower() == "all"
         k = model.cfg.max_seq_len if all_entries else int(topk)
@@ -60,9 +64,13 @@ def load_checkpoint(path: str | Path, topk: int | str | None = None, dtype: str 
             raise ValueError(f"topk={topk}: this checkpoint has no lightning indexer (it was "
                              "trained with topk=None, reading every entry); only topk=all")
         if model.cfg.topk is not None and k != model.cfg.topk:
-            fresh = CEDModel(dataclasses.replace(model.cfg, topk=k))
-            fresh.load_state_dict(model.state_dict())
-            model = fresh.to(device).eval()
+            changes["topk"] = k
+    if kv is not None and str(kv).lower() not in ("", "none", "null"):
+        changes.update(parse_kv_override(kv))
+    if changes:
+        fresh = CEDModel(dataclasses.replace(model.cfg, **changes))
+        fresh.load_state_dict(model.state_dict())
+        model = fresh.to(device).eval()
     if dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"dtype: one of float32, float64, bfloat16; got {dtype!r}")
     return model.to(dtype=getattr(torch, dtype)).eval()
@@ -317,14 +325,15 @@ def format_table(summary: list[dict], drops: list[dict], width: int = 9) -> str:
 def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, examples: int = 50,
               families: Iterable[str] | None = None, turns: Iterable[int] = (),
               batch_size: int = 64, dtype: str = "float32", device: str = "cpu",
-              topk: int | str | None = None, extra_distances: Iterable[int] = (),
+              topk: int | str | None = None, kv: str | None = None,
+              extra_distances: Iterable[int] = (),
               max_length: int | None = None, needle_distractors: int | None = None,
               alpha: float = 0.05, seed_offset: int = 0, make_plot: bool = True,
               wandb: bool = False, wandb_project: str = "ced",
               wandb_group: str | None = None, progress: bool = True) -> dict:
     """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings"}."""
     out = Path(out)
-    model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device)
+    model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device, kv=kv)
     out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
     settings = SuiteSettings.from_config(cfg, replays, turns,

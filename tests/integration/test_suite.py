@@ -156,6 +156,31 @@ def test_runner_scores_match_the_full_forward(checkpoint, tmp_path):
         assert r["prediction"] == ByteTokenizer().decode(logits.argmax(-1)[0])
 
 
+def test_kv_override_reads_the_checkpoint_back_in_the_storage_format(checkpoint, tmp_path):
+    """--kv rebuilds the trained model with other storage formats: the same weights, the
+    formats in the run's config, the exact modes still exact (engine and forward quantise
+    alike), and the outputs moved by the quantisation."""
+    from evals.suites import run_suite
+
+    spec = "window:fp8,global:fp4_block16,indexer:fp4_block32"
+    model = load_checkpoint(checkpoint, dtype="float64", kv=spec)
+    plain = load_checkpoint(checkpoint, dtype="float64")
+    assert (model.cfg.window_kv_dtype, model.cfg.global_kv_dtype,
+            model.cfg.indexer_key_dtype) == ("fp8", "fp4_block16", "fp4_block32")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                   plain.state_dict().values()))
+    ids = torch.tensor([make_example("kv_recall", 0, length=40).prompt_ids])
+    assert (model(ids) - plain(ids)).abs().max() > 1e-6
+    result = run_suite(checkpoint, REPLAYS, tmp_path, examples=2, families=["recall"],
+                       dtype="float64", make_plot=False, progress=False, kv=spec)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["run"]["config"]["global_kv_dtype"] == "fp4_block16"
+    exact = [r for r in result["rows"] if r["mode"] == "replay=exact"]
+    assert exact and max(r["logit_diff"] for r in exact) < 1e-9
+    with pytest.raises(ValueError, match="POINT:FORMAT"):
+        load_checkpoint(checkpoint, kv="glob:fp8")
+
+
 def test_teacher_forced_exact_match_equals_greedy_generation(checkpoint):
     """The runner's score (argmax at every target position, teacher-forced) equals greedy
     generation of len(target) tokens on the engine: checked on a model that knows the answer

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from evals.findings import (accuracy_table, answer_kl_table, capability_drop_table,
-                            competence_table, main, paired_difference)
+                            competence_table, main, paired_difference, reference_drop_table)
 from evals.suites.stats import binomial_two_sided, wilson_interval
 
 
@@ -138,3 +138,26 @@ def test_modes_are_listed_by_replay_length():
                                   "mode": modes}))
     assert list(table["mode"]) == ["full", "replay=1", "replay=4", "replay=16", "replay=exact",
                                    "turn=2,policy=suffix_only,replay=8"]
+
+
+def test_overrides_are_paired_with_the_unmodified_models_full_run():
+    """A run `ced@kv=global:fp4_block16` against `ced` on the same examples: its `full` loses
+    exactly the examples fabricated to be lost, per seed and pooled."""
+    base = fake_results(CELLS).assign(base_job="ced", prediction="7")
+    over = base.assign(job="ced@kv=global:fp4_block16",
+                       run=base["run"] + "@kv=global:fp4_block16")
+    # under the override, full loses the first 3 examples at x=5 that base full got right
+    lost = (over["mode"] == "full") & (over["x"] == "5") & over["id"].str.endswith(
+        ("/0", "/1", "/2"))
+    over.loc[lost, ["correct", "prediction"]] = [False, "wrong"]
+    table = reference_drop_table(pd.concat([base, over]))
+    assert set(table["job"]) == {"ced@kv=global:fp4_block16"}
+    row = table[(table["mode"] == "full") & (table["x"] == "all")].iloc[0]
+    assert (row["n"], row["full_only"], row["mode_only"]) == (42, 6, 0)    # 3 per seed
+    assert row["difference"] == pytest.approx(-6 / 42)
+    assert row["agree"] == pytest.approx(36 / 42)
+    assert row["per_seed_difference"] == f"{-3 / 22:+.3f} {-3 / 20:+.3f}"
+    # the override's replay=4 against the unmodified full: base's own pattern (7 lost, 1 won)
+    rep = table[(table["mode"] == "replay=4") & (table["x"] == "all")].iloc[0]
+    assert (rep["full_only"], rep["mode_only"]) == (7, 1)
+    assert reference_drop_table(base).empty

@@ -157,6 +157,8 @@ def _study_error(tmp_path, text: str) -> str:
     ("jobs: [{name: a}, {name: a}]\n", "distinct names"),
     ("jobs: [{name: a}]\nseeds: []\n", "at least one seed"),
     ("jobs: [{name: a/b}]\n", "directory name"),
+    ("jobs: [{name: a}]\nsuite: {kv: [null, 'global:fp5']}\n", r"suite.kv\[1\]: .*fp5"),
+    ("jobs: [{name: a}]\nsuite: {kv: ['globl:fp8']}\n", r"suite.kv\[0\]: .*POINT:FORMAT"),
 ])
 def test_bad_study_values_are_one_line(tmp_path, text, fragment):
     message = _study_error(tmp_path, text)
@@ -223,8 +225,8 @@ def test_mixed_precision_defers_to_accelerate(monkeypatch, tmp_path):
 # The findings scale trains each shared run once: these jobs of different studies must train the
 # very same thing (same overrides, so the same hash), or `reuse=` silently retrains them.
 SHARED_RUNS = [("replay_length", "no_sim"), ("variants", "ced"), ("topk", "k16"),
-               ("multi_turn", "no_sim")], [("replay_length", "sim_uniform_2W"),
-                                           ("multi_turn", "sim_uniform_2W")]
+               ("multi_turn", "no_sim"), ("kv_precision", "no_sim")], [
+    ("replay_length", "sim_uniform_2W"), ("multi_turn", "sim_uniform_2W")]
 
 
 @pytest.mark.parametrize("scale", ["demo", "full"])

@@ -248,3 +248,16 @@ def test_quant_aware_model_has_the_same_forward_and_trains():
     assert grad is not None and grad.isfinite().all() and grad.abs().max() > 0
     assert all(p.grad is None or p.grad.isfinite().all() for p in aware.parameters())
     assert KVStorage.from_config(aware.cfg).window.straight_through
+
+
+def test_kv_override_names_fields_and_rejects_bad_parts_by_name():
+    from ced.quant import parse_kv_override
+    assert parse_kv_override("window:fp8, global:fp4_block16,indexer:fp4_block32") == {
+        "window_kv_dtype": "fp8", "global_kv_dtype": "fp4_block16",
+        "indexer_key_dtype": "fp4_block32"}
+    assert parse_kv_override("global:bf16") == {"global_kv_dtype": "bf16"}
+    for bad, fragment in (("globl:fp8", "POINT:FORMAT"), ("window", "POINT:FORMAT"),
+                          ("window:", "POINT:FORMAT"), ("", "empty"),
+                          ("global:fp8_e5m2", "global_kv_dtype"), ("window:fp5", "window_kv")):
+        with pytest.raises(ValueError, match=fragment):
+            parse_kv_override(bad)
