@@ -41,8 +41,11 @@ def test_study_runs_end_to_end_and_reports_the_failed_job(tiny_study):
     assert steps["train/broken/seed0"]["returncode"] != 0
     assert "train.steps" in steps["train/broken/seed0"]["tail"]
     for key in ("train/yoco/seed0", "train/ced/seed0", "divergence", "suite/yoco/seed0",
-                "suite/ced/seed0", "report"):
+                "suite/ced/seed0", "suite/ced/seed0@kv=global:fp8", "report"):
         assert steps[key]["state"] == "ok", (key, steps[key])
+    settings = json.loads((out / "suite" / "ced" / "seed0@kv=global:fp8" / "summary.json")
+                          .read_text())["run"]["config"]
+    assert settings["global_kv_dtype"] == "fp8"
     for job in ("yoco", "ced"):
         assert (out / "runs" / job / "seed0" / "final" / "model.safetensors").exists()
         assert (out / "runs" / job / "seed0" / "metrics.jsonl").exists()
@@ -71,7 +74,10 @@ def test_report_has_every_section_and_embedded_plots(tiny_study):
     assert page.index("<h2>Summary</h2>") < page.index("<img") < page.index("<h2>Status</h2>")
     assert "<details><summary>Divergence table" in page
     # self-contained: every image is inline
-    assert page.count("src='data:image/png;base64,") == 6
+    # headline, training, divergence, frontier and one accuracy plot per suite run (yoco, ced,
+    # and each again under the eval-time storage override)
+    assert page.count("src='data:image/png;base64,") == 8
+    assert (report / "accuracy_ced_seed0_kv=global:fp8.png").stat().st_size > 1000
     assert ".png'" not in page
     cost = (report / "cost_quality.csv").read_text()
     assert "prefill_flops" in cost and "replay=exact" in cost
