@@ -24,4 +24,4 @@ def test_every_entry_point_has_a_console_script():
     modules = {target.partition(":")[0].removesuffix(".__main__") for target in scripts().values()}
     assert {"ced.train", "ced.cost", "evals.divergence", "evals.suites", "evals.lmeval",
             "experiments.run", "evals.report", "evals.findings", "evals.erf",
-            "evals.topk_flips"} <= modules
+            "evals.topk_flips", "evals.scaling"} <= modules

@@ -225,7 +225,7 @@ def test_mixed_precision_defers_to_accelerate(monkeypatch, tmp_path):
 # The findings scale trains each shared run once: these jobs of different studies must train the
 # very same thing (same overrides, so the same hash), or `reuse=` silently retrains them.
 SHARED_RUNS = [("replay_length", "no_sim"), ("variants", "ced"), ("topk", "k16"),
-               ("multi_turn", "no_sim"), ("kv_precision", "no_sim")], [
+               ("multi_turn", "no_sim"), ("kv_precision", "no_sim"), ("scaling", "L2_W16")], [
     ("replay_length", "sim_uniform_2W"), ("multi_turn", "sim_uniform_2W")]
 
 
