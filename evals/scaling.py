@@ -190,12 +190,13 @@ def statement(fits: dict, drops: list[dict], target: dict) -> list[str]:
     return lines
 
 
-def write(study: Path, out: Path, layers: int = 20, window: int = 128) -> dict:
+def write(study: Path, out: Path, layers: int = 20, window: int = 128,
+          bootstrap: int = 2000) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     marks = geometry(study)
     table = points(study, marks)
     table.to_csv(out / "scaling.csv", index=False, float_format="%.6g")
-    fits = {m: extrapolate(table, m, layers, window) for m in METRICS}
+    fits = {m: extrapolate(table, m, layers, window, bootstrap) for m in METRICS}
     drops = drop_summary(table)
     target = {"L_d": layers, "W": window}
     result = {"fits": fits, "drops": drops, "statement": statement(fits, drops, target)}
@@ -213,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--target-layers", type=int, default=20)
     p.add_argument("--target-window", type=int, default=128)
+    p.add_argument("--bootstrap", type=int, default=2000)
     args = p.parse_args(argv)
     try:
-        result = write(Path(args.study), Path(args.out), args.target_layers, args.target_window)
+        result = write(Path(args.study), Path(args.out), args.target_layers, args.target_window,
+                       args.bootstrap)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from evals.scaling import extrapolate, fit_power_law, main, points, geometry
+from evals.scaling import extrapolate, fit_power_law, geometry, main, points
 
 GRID = [(1, 16), (2, 16), (3, 16), (2, 8), (2, 32)]          # (L_d, W) per job
 
@@ -67,14 +67,16 @@ def test_fit_recovers_the_power_law_and_brackets_the_extrapolation(tmp_path):
 
 def test_cli_reports_no_drop_when_none_and_a_drop_when_there_is_one(tmp_path):
     fake_study(tmp_path / "none")
-    assert main(["--study", str(tmp_path / "none"), "--out", str(tmp_path / "a")]) == 0
+    assert main(["--study", str(tmp_path / "none"), "--out", str(tmp_path / "a"),
+                 "--bootstrap", "100"]) == 0
     result = json.loads((tmp_path / "a" / "fit.json").read_text())
     assert result["fits"]["kl_first"]["fitted"] and result["fits"]["kl_answer"]["fitted"]
     assert any("no job drops significantly" in line for line in result["statement"])
     for name in ("scaling.csv", "scaling.png", "scaling.md"):
         assert (tmp_path / "a" / name).stat().st_size > 0
     fake_study(tmp_path / "lossy", lost=10)
-    assert main(["--study", str(tmp_path / "lossy"), "--out", str(tmp_path / "b")]) == 0
+    assert main(["--study", str(tmp_path / "lossy"), "--out", str(tmp_path / "b"),
+                 "--bootstrap", "100"]) == 0
     drops = json.loads((tmp_path / "b" / "fit.json").read_text())["drops"]
     assert all(d["drop"] == pytest.approx(-10 / 50) and d["ci_high"] < 0 for d in drops)
     assert main(["--study", str(tmp_path / "nothing"), "--out", str(tmp_path / "c")]) == 2
