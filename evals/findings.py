@@ -177,10 +177,16 @@ def capability_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.Data
                          "full_only": b, "mode_only": c, "p_value": binomial_two_sided(b, b + c),
                          "per_seed_difference": " ".join(f"{d:+.3f}" for _, d, _ in seeds),
                          "per_seed_p": " ".join(f"{p:.3g}" for _, _, p in seeds)})
+    return _drop_table(rows, alpha)
+
+
+def _drop_table(rows: list[dict], alpha: float) -> pd.DataFrame:
+    """Paired-difference rows as a table with `p_holm` (Holm over the distances of one job x
+    family x mode; the pooled x = "all" is its own test) and `significant` (a drop, p_holm <
+    alpha), sorted."""
     table = pd.DataFrame(rows)
     if table.empty:
         return table
-    # Holm over the distances of one job x family x mode (the pooled x = "all" is its own test)
     table["p_holm"] = table["p_value"]
     for _, part in table[table["x"] != "all"].groupby(["job", "family", "mode"]):
         table.loc[part.index, "p_holm"] = holm(part["p_value"].tolist())
@@ -224,14 +230,7 @@ def reference_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.DataF
                          if n else math.nan,
                          "per_seed_difference": " ".join(f"{d:+.3f}" for d, _ in seeds),
                          "per_seed_p": " ".join(f"{p:.3g}" for _, p in seeds)})
-    table = pd.DataFrame(rows)
-    if table.empty:
-        return table
-    table["p_holm"] = table["p_value"]
-    for _, part in table[table["x"] != "all"].groupby(["job", "family", "mode"]):
-        table.loc[part.index, "p_holm"] = holm(part["p_value"].tolist())
-    table["significant"] = (table["p_holm"] < alpha) & (table["difference"] < 0)
-    return _sorted(table)
+    return _drop_table(rows, alpha)
 
 
 def competence_table(accuracy: pd.DataFrame) -> pd.DataFrame:
