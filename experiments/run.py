@@ -169,6 +169,27 @@ def resolve_lengths(values: list, cfg) -> list:
     return out
 
 
+def suite_arguments(spec, ref, replays: list[int], topk: Any = None, kv: Any = None) -> list[str]:
+    """The `python -m evals.suites` options of one suite step (everything but checkpoint, out
+    and threads): a study's `suite:` spec (`experiments.study.SuiteSpec`) with its replay
+    lengths `replays` already resolved, turns and distances resolved against the reference
+    config `ref` (W forms, R_exact), and one eval-time top-k / KV storage override."""
+    settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),
+                *[str(a) for a in spec.args]]
+    if spec.families:
+        settings += ["--families", *spec.families]
+    if spec.turns:
+        settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), ref))]
+    if spec.distances:
+        distances = [d for d in resolve_lengths(list(spec.distances), ref) if d != "exact"]
+        settings += ["--distances", *map(str, distances)]
+    if topk is not None:
+        settings += ["--topk", str(topk)]
+    if kv is not None:
+        settings += ["--kv", str(kv)]
+    return settings
+
+
 def stream(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
     """Run `cmd`, copying its output (stdout and stderr) to ours and to `log` as it comes;
     returns (return code, the last lines)."""
@@ -473,16 +494,7 @@ class Study:
                 label = (run_label + ("" if topk is None else f"@topk={topk}")
                          + ("" if kv is None else f"@kv={kv}"))
                 key, out = f"suite/{label}", self.out / "suite" / label
-                settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),
-                            *[str(a) for a in spec.args]]
-                if spec.families:
-                    settings += ["--families", *spec.families]
-                if spec.turns:
-                    settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), ref))]
-                if topk is not None:
-                    settings += ["--topk", str(topk)]
-                if kv is not None:
-                    settings += ["--kv", str(kv)]
+                settings = suite_arguments(spec, ref, replays, topk=topk, kv=kv)
                 digest = config_hash({"settings": settings, "trained": trained})
                 if self._fresh(f"suite {label}", out, out / "summary.json", digest):
                     self.record(key, "skipped", out=str(out), hash=digest)

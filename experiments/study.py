@@ -48,6 +48,9 @@ class SuiteSpec:
     kv: List[Any] = field(default_factory=lambda: [None])
     families: Optional[List[str]] = None                       # null: every family
     turns: List[Any] = field(default_factory=list)
+    # extra distances for the distance families (ints or W forms, R_exact), on top of the sweep
+    # each model's own geometry gives: lets variants of different geometry share distances
+    distances: List[Any] = field(default_factory=list)
     args: List[str] = field(default_factory=list)              # passed through verbatim
 
 
@@ -210,6 +213,13 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
         raise StudyError(f"{where}seeds: need at least one seed and distinct seeds; "
                          f"got {study.seeds}")
     if study.suite is not None:
+        from ced.config import _WINDOW_FORM
+        for i, d in enumerate(study.suite.distances):
+            text = d.replace(" ", "") if isinstance(d, str) else None
+            if not ((type(d) is int and d >= 1) or text == "R_exact"
+                    or (text is not None and _WINDOW_FORM.fullmatch(text))):
+                raise StudyError(f"{where}suite.distances[{i}]: expected an int >= 1, a W form "
+                                 f"(W, W/4, 2W) or R_exact; got {d!r}")
         from ced.quant import parse_kv_override
         for i, spec in enumerate(study.suite.kv):
             if spec is not None:

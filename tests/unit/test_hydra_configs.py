@@ -159,11 +159,34 @@ def _study_error(tmp_path, text: str) -> str:
     ("jobs: [{name: a/b}]\n", "directory name"),
     ("jobs: [{name: a}]\nsuite: {kv: [null, 'global:fp5']}\n", r"suite.kv\[1\]: .*fp5"),
     ("jobs: [{name: a}]\nsuite: {kv: ['globl:fp8']}\n", r"suite.kv\[0\]: .*POINT:FORMAT"),
+    ("jobs: [{name: a}]\nsuite: {distances: [4, 0]}\n", r"suite.distances\[1\]: expected"),
+    ("jobs: [{name: a}]\nsuite: {distances: [Rexact]}\n", r"suite.distances\[0\]: .*'Rexact'"),
 ])
 def test_bad_study_values_are_one_line(tmp_path, text, fragment):
     message = _study_error(tmp_path, text)
     assert re.search(fragment, message), message
     assert "\n" not in message
+
+
+def test_suite_distances_resolve_against_the_reference_model():
+    """`suite.distances` reaches evals.suites as --distances, W forms and R_exact resolved for
+    the reference model (R_exact dropped for a model without a decoder), other options kept."""
+    from ced import ModelConfig
+    from ced.config import exact_replay_length
+    from experiments.run import suite_arguments
+    from experiments.study import SuiteSpec
+    spec = SuiteSpec(replay=["W"], examples=7, families=["recall"],
+                     distances=["R_exact", "2W", 62, 5])
+    ced = ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2, window=16,
+                      encoder_kv_groups=0)
+    args = suite_arguments(spec, ced, [16], kv="window:fp8")
+    r = exact_replay_length(ced)
+    assert args == ["--replay", "16", "--examples", "7", "--families", "recall",
+                    "--distances", str(r), "32", "62", "5", "--kv", "window:fp8"]
+    dense = ModelConfig(variant="dense", n_encoder_layers=2, n_decoder_layers=2, window=16,
+                        encoder_kv_groups=0)
+    assert suite_arguments(spec, dense, [16])[-4:] == ["--distances", "32", "62", "5"]
+    assert "--distances" not in suite_arguments(SuiteSpec(), ced, [8])
 
 
 def test_seeds_default_to_one_and_can_be_overridden():
