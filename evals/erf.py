@@ -28,7 +28,7 @@ Influence is summarised per checkpoint and pooled over checkpoints (seeds): the 
 holding 99% and 99.9% of the gradient influence at d >= 1 (the cumulative share of the mean
 profile), and the distance beyond which dropping all state costs at most 1% / 0.1% of the KL
 of dropping all of it (N = 1), each with a bootstrap 95% CI over (checkpoint, prompt); and the
-answer to "is N = W enough": KL of replay N = W with its CI, and the gradient share at d >= W.
+answer to "is N = W enough": KL of replay N = W with its CI, and the gradient share at d >= W (of the same mean profile).
 
 Writes into --out: `erf.csv` (tidy: checkpoint, task, prompt, view, layer, distance, value),
 `summary.json`, `erf.md` (the statements and tables) and `erf.png` (evals.plots.erf_figure).
@@ -195,6 +195,13 @@ def share_distance(profile: np.ndarray, share: float) -> int:
     return int(np.searchsorted(np.cumsum(tail) / total, share - 1e-12) + 1)
 
 
+def share_beyond(profile: np.ndarray, distance: int) -> float:
+    """sum_{d >= distance} profile[d] / sum_{d >= 1} profile[d] (0 without influence)."""
+    profile = np.asarray(profile, dtype=float)
+    total = profile[1:].sum()
+    return float(profile[distance:].sum() / total) if total > 0 else 0.0
+
+
 def residual_distance(kl_by_n: np.ndarray, share: float) -> int:
     """The smallest N with KL(replay N) <= (1 - share) * KL(replay 1) (kl_by_n indexed by N,
     index 0 unused): beyond it, dropping all the state costs at most that fraction."""
@@ -234,10 +241,10 @@ def summarize(table: pd.DataFrame, window: int, reach: int, bootstrap: int = 100
         out[f"gradient_d{key}_ci"] = _ci([share_distance(grad[i].mean(0), share) for i in draws])
         out[f"replay_d{key}"] = residual_distance(kl.mean(0), share)
         out[f"replay_d{key}_ci"] = _ci([residual_distance(kl[i].mean(0), share) for i in draws])
-    tail = grad[:, 1:].sum(1)
-    beyond = np.where(tail > 0, grad[:, window:].sum(1) / np.where(tail > 0, tail, 1), 0.0)
-    out["gradient_share_beyond_W"] = float(beyond.mean())
-    out["gradient_share_beyond_W_ci"] = _ci([beyond[i].mean() for i in draws])
+    # the share of the same mean profile the d99 / d99.9 read (a mean of per-prompt shares would
+    # weigh a prompt with almost no influence like one with much, and disagree with d99)
+    out["gradient_share_beyond_W"] = share_beyond(grad.mean(0), window)
+    out["gradient_share_beyond_W_ci"] = _ci([share_beyond(grad[i].mean(0), window) for i in draws])
     for n in (1, window):
         if n < kl.shape[1]:
             out[f"kl_replay_{n}"] = float(kl[:, n].mean())
@@ -297,9 +304,32 @@ def run(checkpoints: list[Path], out: Path, tasks: list[str], examples: int, len
         print(f"[erf] {checkpoint}: {len(ids)} prompts of {length} tokens", flush=True)
     table = pd.concat(frames, ignore_index=True)
     table.to_csv(out / "erf.csv", index=False, float_format="%.6g")
-    summary = {"settings": {"tasks": tasks, "examples": examples, "length": length,
-                            "params": params, "checkpoints": [str(c) for c in checkpoints]},
-               "geometry": geometry, "jobs": {}}
+    settings = {"tasks": tasks, "examples": examples, "length": length, "params": params,
+                "checkpoints": [str(c) for c in checkpoints]}
+    return write_outputs(table, geometry, settings, out, bootstrap, divergence)
+
+
+def resummarize(source: Path, out: Path, bootstrap: int = 1000,
+                divergence: Path | None = None) -> dict:
+    """Summaries, verdicts and plot again from an earlier run's `erf.csv` and `summary.json`
+    (settings and geometry) in `source`, without measuring: into `out`."""
+    try:
+        earlier = json.loads((source / "summary.json").read_text())
+        table = pd.read_csv(source / "erf.csv", dtype={"layer": str})
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--from {source}: not an evals.erf output ({exc})") from None
+    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != source.resolve():
+        table.to_csv(out / "erf.csv", index=False, float_format="%.6g")
+    return write_outputs(table, earlier["geometry"], earlier["settings"], out, bootstrap,
+                         divergence)
+
+
+def write_outputs(table: pd.DataFrame, geometry: dict, settings: dict, out: Path,
+                  bootstrap: int, divergence: Path | None) -> dict:
+    """summary.json, erf.md and erf.png of a measured table (rows of `measure` plus checkpoint,
+    job and task); returns the summary."""
+    summary = {"settings": settings, "geometry": geometry, "jobs": {}}
     for job, part in table.groupby("job", sort=False):
         g = geometry[job]
         summary["jobs"][job] = summarize(part, g["W"], g["R_exact"], bootstrap)
@@ -327,7 +357,9 @@ def _divergence_curve(path: Path) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", nargs="+", required=True,
+    p.add_argument("--from", dest="source", default=None, metavar="DIR",
+                   help="summarise an earlier run's erf.csv again (no --checkpoint, no measuring)")
+    p.add_argument("--checkpoint", nargs="+", default=None,
                    help="one or more trained ced models (a run's final/); seeds of one job "
                         "(.../<job>/seed<k>/final) are pooled")
     p.add_argument("--out", required=True, help="output directory")
@@ -349,10 +381,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("not a JSON object")
     except ValueError as exc:
         p.error(f"--params: {exc}")
+    if (args.source is None) == (args.checkpoint is None):
+        p.error("give either --checkpoint (measure) or --from DIR (summarise again), not both")
+    divergence = Path(args.divergence) if args.divergence else None
     try:
-        run([Path(c) for c in args.checkpoint], Path(args.out), args.tasks, args.examples,
-            args.length, params, getattr(torch, args.dtype), args.bootstrap,
-            Path(args.divergence) if args.divergence else None)
+        if args.source is not None:
+            resummarize(Path(args.source), Path(args.out), args.bootstrap, divergence)
+        else:
+            run([Path(c) for c in args.checkpoint], Path(args.out), args.tasks, args.examples,
+                args.length, params, getattr(torch, args.dtype), args.bootstrap, divergence)
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

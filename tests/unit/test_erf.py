@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -16,7 +17,8 @@ from ced import InferenceEngine, exact_replay_length
 from ced.checkpoint import save_model
 from conftest import make_model, tiny_config
 from evals.erf import (_copy, cache_drop, decoder_input_gradients, main, measure,
-                       replay_drop, residual_distance, share_distance)
+                       replay_drop, residual_distance, share_beyond,
+                       share_distance, summarize)
 
 T = 30
 VOCAB = 259          # the byte tokenizer's, so the CLI's task prompts fit
@@ -86,6 +88,25 @@ def test_share_and_residual_distances_follow_their_definitions():
     assert residual_distance(np.array([np.nan, 1.0, 0.9]), 0.99) == 3   # not reached: past end
 
 
+def test_share_beyond_w_reads_the_same_mean_profile_as_d99():
+    """A prompt with almost no influence must not weigh like one with much: the share at
+    d >= W and d99 both read the mean profile, so d99 < W implies a share below 1%."""
+    assert share_beyond(np.array([9.0, 0.5, 0.3, 0.2]), 2) == pytest.approx(0.5)
+    assert share_beyond(np.zeros(4), 2) == 0.0
+    window, rows = 3, []
+    # prompt 0: large influence, all at d = 1; prompt 1: tiny influence, all at d = 4 >= W
+    for prompt, (d, value) in enumerate([(1, 1.0), (4, 1e-6)]):
+        for distance in range(6):
+            rows.append({"checkpoint": "c", "prompt": prompt, "view": "gradient",
+                         "layer": "total", "metric": "norm", "distance": distance,
+                         "value": value if distance == d else 0.0})
+            rows.append({"checkpoint": "c", "prompt": prompt, "view": "replay", "layer": "all",
+                         "metric": "kl", "distance": distance, "value": 1.0 / (1 + distance)})
+    out = summarize(pd.DataFrame(rows), window=window, reach=6, bootstrap=20)
+    assert out["gradient_d99"] == 1
+    assert out["gradient_share_beyond_W"] == pytest.approx(1e-6 / (1 + 1e-6))   # not 0.5
+
+
 def test_measure_has_every_view_and_layer():
     model = model_for(1, window=4, n_decoder_layers=2)
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
@@ -114,6 +135,21 @@ def test_cli_writes_outputs_and_a_verdict_per_job(tmp_path):
         "R_exact"] - 1
     assert job["gradient_d99.9_ci"][0] <= job["gradient_d99.9_ci"][1]
     assert "N = W is" in job["verdict"] and job["verdict"] in (out / "erf.md").read_text()
+    # --from summarises the saved table again, without the checkpoints, to the same summary
+    again = tmp_path / "again"
+    assert main(["--from", str(out), "--out", str(again), "--bootstrap", "50"]) == 0
+    # (erf.csv keeps 6 significant digits: the same distances, KLs within 1e-4 relative)
+    redone = json.loads((again / "summary.json").read_text())["jobs"]["ced"]
+    assert redone.keys() == job.keys()
+    for key, value in job.items():
+        if key == "verdict" or isinstance(value, int):
+            assert redone[key] == value, key
+        else:
+            assert redone[key] == pytest.approx(value, rel=1e-4, abs=1e-12), key
+    assert (again / "erf.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main(["--from", str(out), *argv])                # --from and --checkpoint: one of them
+    assert main(["--from", str(tmp_path / "runs"), "--out", str(again)]) == 2
 
 
 def test_cli_refuses_a_model_without_decoder_windows(tmp_path, capsys):
