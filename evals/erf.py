@@ -28,7 +28,8 @@ Influence is summarised per checkpoint and pooled over checkpoints (seeds): the 
 holding 99% and 99.9% of the gradient influence at d >= 1 (the cumulative share of the mean
 profile), and the distance beyond which dropping all state costs at most 1% / 0.1% of the KL
 of dropping all of it (N = 1), each with a bootstrap 95% CI over (checkpoint, prompt); and the
-answer to "is N = W enough": KL of replay N = W with its CI, and the gradient share at d >= W (of the same mean profile).
+answer to "is N = W enough": KL of replay N = W with its CI, and the gradient share at d >= W
+(of the same mean profile). `--from DIR` summarises a saved erf.csv again without measuring.
 
 Writes into --out: `erf.csv` (tidy: checkpoint, task, prompt, view, layer, distance, value),
 `summary.json`, `erf.md` (the statements and tables) and `erf.png` (evals.plots.erf_figure).
