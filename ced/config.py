@@ -532,6 +532,12 @@ _FORMS = "'exact' or an int >= 1 (or 'R_exact', 'W', 'W/4', 'W/2', '2W')"
 REPLAY_FORMS = {"decoder": f"None, {_FORMS}", "encoder": _FORMS}
 
 
+def is_window_form(text: str) -> bool:
+    """True if `text` is a multiple of the window that `replay_length` resolves ('W', 'W/4',
+    '2W', '3W/2'; spaces ignored): a study can check it before any model config exists."""
+    return _WINDOW_FORM.fullmatch(text.replace(" ", "")) is not None
+
+
 def replay_length(c: ModelConfig, replay: None | int | str, part: ReplayPart = "decoder",
                   name: str = "replay") -> int | None:
     """The replay length N (decoder) or N_e (encoder) that `replay` stands for, not clipped.
@@ -553,7 +559,7 @@ def replay_length(c: ModelConfig, replay: None | int | str, part: ReplayPart = "
                 raise ValueError(f"{name}: variant {c.variant!r} has no decoder, so {replay!r} "
                                  f"is undefined; only {_split_variants()} have one")
             return exact_replay_length(c) if part == "decoder" else exact_encoder_replay_length(c)
-        form = _WINDOW_FORM.fullmatch(text)
+        form = _WINDOW_FORM.fullmatch(text)   # is_window_form, with its groups
         if form:
             times, divisor = int(form.group(1) or 1), int(form.group(2) or 1)
             return max(1, times * c.window // divisor)
@@ -604,5 +610,5 @@ def default_hidden_tail(c: ModelConfig, replays: Iterable[int] = ()) -> int:
 __all__ = ["ModelConfig", "UnmodelledParts", "LayerPlan", "LayerSpec", "SourceSpec", "build_plan",
            "group_sizes", "VariantTraits", "VARIANT_TRAITS", "VARIANTS",
            "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length",
-           "replay_length", "resolve_replay", "keep_from", "default_hidden_tail",
+           "replay_length", "resolve_replay", "is_window_form", "keep_from", "default_hidden_tail",
            "global_read_is_masked", "GLOBAL_READS"]

@@ -213,11 +213,11 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
         raise StudyError(f"{where}seeds: need at least one seed and distinct seeds; "
                          f"got {study.seeds}")
     if study.suite is not None:
-        from ced.config import _WINDOW_FORM
+        from ced.config import is_window_form
         for i, d in enumerate(study.suite.distances):
             text = d.replace(" ", "") if isinstance(d, str) else None
             if not ((type(d) is int and d >= 1) or text == "R_exact"
-                    or (text is not None and _WINDOW_FORM.fullmatch(text))):
+                    or (text is not None and is_window_form(text))):
                 raise StudyError(f"{where}suite.distances[{i}]: expected an int >= 1, a W form "
                                  f"(W, W/4, 2W) or R_exact; got {d!r}")
         from ced.quant import parse_kv_override

@@ -5,7 +5,7 @@ of (context, target) text pairs, its defaults, its chance level and its suite sw
     kv_recall       recall, short, boundary, multiturn
     copy            copy
     variable_tracking  multihop
-    running_state   running_count, running_parity, running_bracket
+    running_state   running_count, running_parity, running_bracket, multiturn_count
     needle          needle
 
 Every task is a function `generator(rng: random.Random, **params) -> Example`, registered in
@@ -317,7 +317,7 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
 RUNNING_KINDS = ("count", "parity", "bracket")
 
 
-# ---- running_state: families running_count, running_parity, running_bracket ----------------
+# ---- running_state: families running_count, running_parity, running_bracket, multiturn_count
 def _bracket_depths(window_len: int) -> list[float]:
     """Distribution of the final depth of running_state's bracket windows (exact, by DP)."""
     probs = [1.0] + [0.0] * window_len
@@ -365,11 +365,23 @@ def _running(kind: str) -> Callable[[Any], list[Point]]:
     return points
 
 
+def points_multiturn_count(s: Any) -> list[Point]:
+    """The running-count sweep, each document also saying whether `|` (the start of the counted
+    window) lies in the cached prefix: the answer then depends on decoder window state built
+    before the new turn, which is what the multi-turn policies keep or lose."""
+    return [Point(p.x, p.params, {"turns": list(s.turns),
+                                  "fact_in_cached_prefix": [p.x > t for t in s.turns]})
+            for p in _running("count")(s)]
+
+
 RUNNING_STATE_SWEEPS = (
     Sweep("running_count", "distance", _running("count"),
           "count of `a` over the last M symbols (`|` at distance M + 2)"),
     Sweep("running_parity", "distance", _running("parity"), "parity of `1` over the last M symbols"),
     Sweep("running_bracket", "distance", _running("bracket"), "bracket depth over the last M symbols"),
+    Sweep("multiturn_count", "distance", points_multiturn_count,
+          "the running count after a cached prefix and a short new turn: window state across "
+          "the turn, every multi-turn policy (docs/semantics.md 4.3)", turn_modes=True),
 )
 
 

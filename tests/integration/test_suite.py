@@ -65,6 +65,11 @@ def test_documents_are_ced_data_examples_at_the_requested_points(settings):
     assert max(by["copy"]) == 2 * r and {10, 11, 12} <= by["copy"]
     # running state: `|` at M + 2 in {N-1, N, N+1}
     assert {4, 5, 6, 9, 10, 11} <= by["running_count"]
+    # multiturn_count: the running-count sweep, saying whether `|` lies in the cached prefix
+    assert by["multiturn_count"] == by["running_count"]
+    for d in (d for d in docs if d["family"] == "multiturn_count"):
+        assert d["meta"]["fact_in_cached_prefix"] == [d["x"] > t for t in settings.turns]
+        assert d["context"][-d["x"]] == "|"           # prompt_ids[-x] is `|`, the window start
     # multihop: the chain's statements on both sides of the replay start, and all beyond it
     # (N=5 is shorter than the last statement plus the query: every statement lies beyond)
     outside = {sum(c > 10 for c in d["meta"]["chain_distances"])
@@ -96,11 +101,13 @@ def test_suite_cli_end_to_end(checkpoint, tmp_path):
     turn = [f"turn=2,policy={p},replay={r}" for p in
             ("keep_decoder_swa", "suffix_only", "cached_hidden", "encoder_replay")
             for r in (5, 10, "exact")]
-    n_turn = sum(d["family"] == "multiturn" for d in docs)
+    turn_families = {"multiturn", "multiturn_count"}
+    assert {f for f in FAMILIES if FAMILIES[f].turn_modes} == turn_families
+    n_turn = sum(d["family"] in turn_families for d in docs)
     assert len(rows) == len(docs) * len(base) + n_turn * len(turn)
     modes = {(r["family"], r["mode"]) for r in rows}
     assert all((f, m) in modes for f in FAMILIES for m in base)
-    assert all(("multiturn", m) in modes for m in turn)
+    assert all((f, m) in modes for f in turn_families for m in turn)
     summary = json.loads((out / "summary.json").read_text())
     assert {s["family"] for s in summary["summary"]} == set(FAMILIES)
     assert summary["run"]["settings"]["r_exact"] == 11

@@ -79,7 +79,8 @@ def test_every_family_belongs_to_one_registered_task():
     expect = {"recall": "kv_recall", "short": "kv_recall", "boundary": "kv_recall",
               "multiturn": "kv_recall", "copy": "copy", "multihop": "variable_tracking",
               "running_count": "running_state", "running_parity": "running_state",
-              "running_bracket": "running_state", "needle": "needle"}
+              "running_bracket": "running_state", "multiturn_count": "running_state",
+              "needle": "needle"}
     assert {name: family_task(name) for name in FAMILIES} == expect
     assert {name: FAMILIES[name].task for name in FAMILIES} == expect
     with pytest.raises(ValueError, match="unknown family 'kv_recall'"):

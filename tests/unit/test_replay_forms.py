@@ -11,7 +11,7 @@ import torch
 
 from ced import InferenceEngine
 from ced.config import (default_hidden_tail, exact_encoder_replay_length, exact_replay_length,
-                        keep_from, replay_length, resolve_replay)
+                        is_window_form, keep_from, replay_length, resolve_replay)
 from ced.cost import engine_cache_bytes, prefill_flops
 from conftest import make_model, random_ids, tiny_config
 
@@ -50,6 +50,16 @@ def test_none_means_every_position():
     assert replay_length(CED, None) is None
     assert resolve_replay(CED, None, 37) == 37
     assert resolve_replay(tiny_config("dense"), None, 37) == 37
+
+
+def test_is_window_form_accepts_exactly_what_replay_length_resolves_as_w():
+    """A study checks `suite.distances` with is_window_form before any config exists: it must
+    accept the W forms replay_length resolves and nothing else."""
+    for form in ["W", "W/4", "2W", "3W/2", " W / 2 ", "10W/3"]:
+        assert is_window_form(form)
+        assert replay_length(CED, form) >= 1
+    for form in ["", "4", "R_exact", "exact", "W/0", "0W", "Wx", "W/", "/2", "w", "W*2", "2.5W"]:
+        assert not is_window_form(form), form
 
 
 def test_window_forms_are_at_least_one():
