@@ -62,7 +62,9 @@ class WandbConfig:
 @dataclass
 class DivergenceConfig:
     checkpoints: List[str] = field(default_factory=list)
-    replays: List[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    # Ints, or forms resolved per checkpoint ('W', 'W/4', '2W', 'R_exact': its own window and
+    # R_exact, so that one run over models of different W reads each at its own N = W).
+    replays: List[Any] = field(default_factory=lambda: [1, 4, 16, 64])
     lengths: List[int] = field(default_factory=lambda: [256])
     steps: int = 8                   # teacher-forced continuation steps G
     greedy_steps: int = 16
@@ -83,12 +85,19 @@ class DivergenceConfig:
 
 # ---- modes per model -------------------------------------------------------------------------
 
+def replays_for(cfg, c: DivergenceConfig) -> list[int]:
+    """`c.replays` resolved for a model with a decoder: ints as given, W forms and R_exact
+    against its own config ('exact' is dropped: `modes_for` always adds replay=exact);
+    sorted, without duplicates. A bad entry is a ValueError naming `replays`."""
+    return sorted({replay_length(cfg, n, name="replays") for n in c.replays if n != "exact"})
+
+
 def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
     """(mode, N) pairs to compare for a model; N is the decoder replay length the mode uses."""
     if not cfg.has_decoder:
         return []
     exact = exact_replay_length(cfg)
-    modes = [(parse_mode(f"replay={n}"), n) for n in sorted(set(c.replays))]
+    modes = [(parse_mode(f"replay={n}"), n) for n in replays_for(cfg, c)]
     modes.append((parse_mode("replay=exact"), exact))
     if cfg.traits.exact_early_exit:
         modes.append((Mode("yoco_early_exit", replay=1), 1))
@@ -198,14 +207,15 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
         raise ValueError(f"dtype: must be 'float64' or 'float32'; got {c.dtype!r}")
     dtype = {"float64": torch.float64, "float32": torch.float32}[c.dtype]
     for checkpoint in c.checkpoints:   # every one, before hours go into the first
-        load_model(checkpoint)
+        modes_for(load_model(checkpoint).cfg, c)     # a bad replay form fails here too
     rows: list[dict] = []
     for checkpoint in c.checkpoints:
         model = load_model(checkpoint).to(dtype)
         cfg = model.cfg
         # The cached_hidden policy reads H_{L_e} of N - m prefix positions: keep enough.
         engine = InferenceEngine(model, hidden_tail=default_hidden_tail(
-            cfg, [c.turn_replay or cfg.window, *c.replays]))
+            cfg, [c.turn_replay or cfg.window,
+                  *(replays_for(cfg, c) if cfg.has_decoder else [])]))
         base = {"checkpoint": str(checkpoint), "variant": cfg.variant, "window": cfg.window,
                 "n_decoder_layers": cfg.n_decoder_layers, "r_exact":
                 exact_replay_length(cfg) if cfg.has_decoder else None}

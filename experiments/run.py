@@ -169,17 +169,23 @@ def resolve_lengths(values: list, cfg) -> list:
     return out
 
 
-def suite_arguments(spec, ref, replays: list[int], topk: Any = None, kv: Any = None) -> list[str]:
+def suite_arguments(spec, ref, own, topk: Any = None, kv: Any = None) -> list[str]:
     """The `python -m evals.suites` options of one suite step (everything but checkpoint, out
     and threads): a study's `suite:` spec (`experiments.study.SuiteSpec`) with its replay
-    lengths `replays` already resolved, turns and distances resolved against the reference
-    config `ref` (W forms, R_exact), and one eval-time top-k / KV storage override."""
+    lengths and turns resolved against the checkpoint's own config `own` (W forms and R_exact
+    mean its own window and R_exact, so a study over several W reads each model at its own
+    N = W), its distances against the reference config `ref` (every model of a study read at
+    the same distances), and one eval-time top-k / KV storage override."""
+    # A model without a decoder is run in `full` only; its replays (a required option) are
+    # the reference's, as its own would drop R_exact.
+    replays = [v for v in resolve_lengths(list(spec.replay), own if own.has_decoder else ref)
+               if v != "exact"]
     settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),
                 *[str(a) for a in spec.args]]
     if spec.families:
         settings += ["--families", *spec.families]
     if spec.turns:
-        settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), ref))]
+        settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), own))]
     if spec.distances:
         distances = [d for d in resolve_lengths(list(spec.distances), ref) if d != "exact"]
         settings += ["--distances", *map(str, distances)]
@@ -444,8 +450,12 @@ class Study:
             return
         out = self.out / "divergence"
         config = dict(spec)
-        config["replays"] = [v for v in resolve_lengths(
-            config.get("replays", [1, 4, 16]), self._reference_config(usable)) if v != "exact"]
+        # W forms and R_exact stay as written: evals.divergence resolves them per checkpoint
+        # (each model's own W), after they are checked here against one of them.
+        written = [v for v in config.get("replays", [1, 4, 16]) if v != "exact"]
+        resolve_lengths(written, self._reference_config(usable))
+        config["replays"] = [int(v) if isinstance(v, str) and v.strip().isdigit() else v
+                             for v in written]
         config["checkpoints"] = sorted(str(p) for p, _ in usable.values())
         digest = config_hash({"config": config,
                               "trained": sorted(h for _, h in usable.values())})
@@ -483,18 +493,18 @@ class Study:
             return
         from ced.checkpoint import load_config
         ref = self._reference_config(checkpoints)
-        replays = [v for v in resolve_lengths(list(spec.replay), ref) if v != "exact"]
         overrides = [(topk, kv) for topk in (list(spec.topk) or [None])
                      for kv in (list(spec.kv) or [None])]
         for run_label, (final, trained) in checkpoints.items():
-            traits = load_config(final).traits
+            own = load_config(final)
+            traits = own.traits
             for topk, kv in overrides:
                 if topk is not None and not traits.topk_study:
                     continue    # top-k overrides apply to the variant the top-k study is about
                 label = (run_label + ("" if topk is None else f"@topk={topk}")
                          + ("" if kv is None else f"@kv={kv}"))
                 key, out = f"suite/{label}", self.out / "suite" / label
-                settings = suite_arguments(spec, ref, replays, topk=topk, kv=kv)
+                settings = suite_arguments(spec, ref, own, topk=topk, kv=kv)
                 digest = config_hash({"settings": settings, "trained": trained})
                 if self._fresh(f"suite {label}", out, out / "summary.json", digest):
                     self.record(key, "skipped", out=str(out), hash=digest)
@@ -505,7 +515,7 @@ class Study:
                 if self.wandb:
                     cmd += ["--wandb", "--wandb-project", self.project,
                             "--wandb-group", self.group]
-                banner(f"suite {label}: N={replays}")
+                banner(f"suite {label}: N={settings[1:settings.index('--examples')]}")
                 t0 = time.time()
                 log = self.out / "logs" / f"suite_{label.replace('/', '_')}.log"
                 code, tail = stream(cmd, log, self.env)

@@ -38,7 +38,8 @@ class JobSpec:
 @dataclass
 class SuiteSpec:
     """`python -m evals.suites` options. Replay lengths and turns may be written W, W/4, 2W,
-    R_exact (resolved from the trained model)."""
+    R_exact (resolved from each trained model's own config: its W, its R_exact); `distances`
+    are resolved from the study's reference model (the first with a decoder)."""
 
     replay: List[Any] = field(default_factory=lambda: [8])
     examples: int = 20

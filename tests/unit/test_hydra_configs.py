@@ -179,14 +179,40 @@ def test_suite_distances_resolve_against_the_reference_model():
                      distances=["R_exact", "2W", 62, 5])
     ced = ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2, window=16,
                       encoder_kv_groups=0)
-    args = suite_arguments(spec, ced, [16], kv="window:fp8")
+    args = suite_arguments(spec, ced, ced, kv="window:fp8")
     r = exact_replay_length(ced)
     assert args == ["--replay", "16", "--examples", "7", "--families", "recall",
                     "--distances", str(r), "32", "62", "5", "--kv", "window:fp8"]
     dense = ModelConfig(variant="dense", n_encoder_layers=2, n_decoder_layers=2, window=16,
                         encoder_kv_groups=0)
-    assert suite_arguments(spec, dense, [16])[-4:] == ["--distances", "32", "62", "5"]
-    assert "--distances" not in suite_arguments(SuiteSpec(), ced, [8])
+    assert suite_arguments(spec, dense, dense)[-4:] == ["--distances", "32", "62", "5"]
+    assert "--distances" not in suite_arguments(SuiteSpec(replay=["W/2"]), ced, ced)
+
+
+def test_suite_replays_and_turns_resolve_against_each_model():
+    """A study over several windows (the scaling study) reads each model at its own N = W and
+    W/2 and cuts its turns at its own W/4, while every model is read at the reference's
+    distances; a model without a decoder takes the reference's replays (it runs `full` only)."""
+    from ced import ModelConfig
+    from experiments.run import suite_arguments
+    from experiments.study import SuiteSpec
+
+    def ced(window: int) -> ModelConfig:
+        return ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2,
+                           window=window, encoder_kv_groups=0)
+    spec = SuiteSpec(replay=["W/2", "W", "R_exact"], examples=5, turns=[2, "W/4"],
+                     distances=["2W"])
+    ref = ced(16)
+    for window in (8, 16, 32):
+        own = ced(window)
+        r = 2 * (window - 1) + 1
+        turns = ["2"] + ([str(window // 4)] if window // 4 != 2 else [])   # duplicates dropped
+        assert suite_arguments(spec, ref, own) == [
+            "--replay", str(window // 2), str(window), str(r), "--examples", "5",
+            "--turns", *turns, "--distances", "32"]
+    swa = ModelConfig(variant="swa", n_encoder_layers=2, n_decoder_layers=2, window=8,
+                      encoder_kv_groups=0)
+    assert suite_arguments(spec, ref, swa)[:5] == ["--replay", "8", "16", "31", "--examples"]
 
 
 def test_seeds_default_to_one_and_can_be_overridden():

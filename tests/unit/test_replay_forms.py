@@ -163,6 +163,22 @@ def test_divergence_encoder_replays_take_every_form():
     assert got == [3, CED.window, exact_encoder_replay_length(CED)]
 
 
+def test_divergence_replays_resolve_per_model():
+    """One divergence run over models of different windows (the scaling study) reads each at
+    its own N = W: the forms reach evals.divergence unresolved and resolve per checkpoint."""
+    from evals.divergence import DivergenceConfig, modes_for
+    c = DivergenceConfig(replays=["W/2", "W", 3, "R_exact", "exact"], policies=[],
+                         encoder_replays=[])
+    for window in (4, 8, 16):
+        cfg = tiny_config(window=window)
+        r = exact_replay_length(cfg)
+        plain = [m.name for m, _ in modes_for(cfg, c) if m.turn is None]
+        assert plain == [f"replay={n}" for n in sorted({window // 2, window, 3, r})] + \
+            ["replay=exact"]
+    with pytest.raises(ValueError, match="^replays: expected"):
+        modes_for(CED, DivergenceConfig(replays=["Wx"], policies=[], encoder_replays=[]))
+
+
 def test_report_mode_replay_parses_with_evals_modes():
     from evals.modes import parse_mode
     from evals.report import mode_replay
