@@ -478,34 +478,41 @@ def erf_figure(table: pd.DataFrame, marks: Mapping[str, Mapping[str, int | None]
 
 
 def scaling_figure(table: pd.DataFrame, fits: Mapping[str, Mapping], target: Mapping) -> Figure:
-    """evals.scaling: each KL at N = W against L_d (left) and W (right), a dot per seed, the
-    fitted power law per value of the other axis, and the extrapolation to the target with
-    its 95% band (a red bar at the target's L_d / W)."""
+    """evals.scaling: each KL at N = W against the inexact decoder layers L_d - 1 (left) and W
+    (right), a dot per seed (jobs replayed exactly, N = W >= R_exact, have no dot on a log
+    axis), the fitted power law per value of the other axis, and the extrapolation to the
+    target with its 95% band (a red bar at the target's L_d - 1 / W)."""
     metrics = [m for m in fits if m in table and table[m].notna().any()]
     fig, axes = _grid(2 * max(1, len(metrics)), 5.0, 3.6, max_cols=2)
+    depth = "inexact_layers"
+    goal = {depth: target["L_d"] - 1, "W": target["W"]}
     for row, metric in enumerate(metrics):
         fit = fits[metric]
-        for col, (axis, other) in enumerate((("L_d", "W"), ("W", "L_d"))):
+        shown = table[~table["exact"].astype(bool)]
+        for col, (axis, other) in enumerate(((depth, "W"), ("W", depth))):
             ax = axes[2 * row + col]
-            for i, (value, part) in enumerate(table.groupby(other)):
+            for i, (value, part) in enumerate(shown.groupby(other)):
+                label = f"L_d - 1 = {value}" if other == depth else f"W = {value}"
                 ax.scatter(part[axis], part[metric].where(part[metric] > 0), s=14,
-                           color=f"C{i}", label=f"{other} = {value}")
+                           color=f"C{i}", label=label)
                 if fit.get("fitted"):
                     co = fit["coef"]
-                    xs = pd.Series(sorted({*part[axis], target[axis]}), dtype=float)
-                    logs = (co["a"] + co["b_layers"] * (xs.map(math.log10) if axis == "L_d"
-                                                        else math.log10(value))
-                            + co["c_window"] * (xs.map(math.log10) if axis == "W"
-                                                else math.log10(value)))
+                    xs = pd.Series(sorted({*part[axis], goal[axis]}), dtype=float)
+                    logs = (co["a"] + co["b_inexact_layers"] * (
+                        xs.map(math.log10) if axis == depth else math.log10(value))
+                        + co["c_window"] * (xs.map(math.log10) if axis == "W"
+                                            else math.log10(value)))
                     ax.plot(xs, 10 ** logs, color=f"C{i}", linewidth=0.8, linestyle="--")
             if fit.get("fitted") and fit.get("band"):
                 low, high = fit["band"]
-                ax.errorbar([target[axis]], [fit["prediction"]],
+                ax.errorbar([goal[axis]], [fit["prediction"]],
                             yerr=[[fit["prediction"] - low], [high - fit["prediction"]]],
                             color="red", marker="*", capsize=3,
                             label=f"L_d={target['L_d']}, W=N={target['W']} (extrapolated)")
-            ax.set(xscale="log", yscale="log", xlabel=axis,
-                   ylabel=f"{metric} at N = W (nats)", title=f"{metric} against {axis}")
+            ax.set(xscale="log", yscale="log",
+                   xlabel="L_d - 1 (inexact decoder layers at N = W)" if axis == depth else axis,
+                   ylabel=f"{metric} at N = W (nats)",
+                   title=f"{metric} against {'L_d - 1' if axis == depth else axis}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     return fig

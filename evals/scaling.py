@@ -12,7 +12,11 @@ results.csv`) and, per job and seed, at N = W:
 - `kl_answer`: KL(full || replay N=W) at the suite's answers (mean over examples and families);
 - `drop`: suite accuracy of replay N=W minus `full` on the same examples (pooled families).
 
-It fits log10 KL = a + b log10 L_d + c log10 W by least squares over every (job, seed) point,
+At N = W the last position's first decoder layer reads only replayed positions, so the error
+comes from the L_d - 1 layers above it (`inexact layers`; with L_d = 1, N = W >= R_exact =
+L_d (W - 1) + 1 and replay is exact by construction). It fits
+log10 KL = a + b log10(L_d - 1) + c log10 W by least squares over every (job, seed) point with
+N < R_exact (jobs with N >= R_exact are reported as exact, not fitted: their KL is round-off),
 and extrapolates to V4.1's setting (L_d = 20, W = 128, N = 128) with a 95% band from a bootstrap
 that resamples seeds within each job. How far to trust it: the fit's leave-one-job-out error
 (each job predicted from the others, in decades), and the distance of the target from the
@@ -35,6 +39,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ced.checkpoint import load_config
+from ced.config import exact_replay_length
+
 from . import plots
 from .findings import FULL, load_results, paired_difference
 
@@ -42,12 +49,17 @@ METRICS = ("kl_first", "kl_answer")
 
 
 def geometry(study: Path) -> dict[str, dict]:
-    """Per job: L_d and W of its trained model (any seed's final/config.json)."""
+    """Per job: L_d, W, R_exact and the inexact layers L_d - 1 of its trained model (any seed's
+    final/config.json), and whether N = W replays exactly (W >= R_exact)."""
     out = {}
     for path in sorted(study.glob("runs/*/seed*/final/config.json")):
         job = path.parents[2].name
-        cfg = json.loads(path.read_text())
-        out.setdefault(job, {"L_d": int(cfg["n_decoder_layers"]), "W": int(cfg["window"])})
+        if job in out:
+            continue
+        cfg = load_config(path)
+        r_exact = exact_replay_length(cfg)
+        out[job] = {"L_d": cfg.n_decoder_layers, "W": cfg.window, "R_exact": r_exact,
+                    "inexact_layers": cfg.n_decoder_layers - 1, "exact": cfg.window >= r_exact}
     if not out:
         raise FileNotFoundError(f"{study}/runs: no <job>/seed<k>/final/config.json")
     return out
@@ -98,19 +110,26 @@ def points(study: Path, marks: dict[str, dict]) -> pd.DataFrame:
         drop=True)
 
 
+def fittable(table: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The points a trend is fitted to: replay inexact (N = W < R_exact) and a positive metric."""
+    return table[~table["exact"].astype(bool) & (table[metric] > 0)]
+
+
 def fit_power_law(table: pd.DataFrame, metric: str) -> np.ndarray | None:
-    """Least-squares (a, b, c) of log10 metric = a + b log10 L_d + c log10 W, or None when
-    fewer than 4 positive points or L_d / W do not vary."""
-    part = table[table[metric] > 0]
+    """Least-squares (a, b, c) of log10 metric = a + b log10(L_d - 1) + c log10 W over the
+    `fittable` points, or None when fewer than 4 of them or L_d / W do not vary."""
+    part = fittable(table, metric)
     if len(part) < 4 or part["L_d"].nunique() < 2 or part["W"].nunique() < 2:
         return None
-    x = np.column_stack([np.ones(len(part)), np.log10(part["L_d"]), np.log10(part["W"])])
+    x = np.column_stack([np.ones(len(part)), np.log10(part["inexact_layers"]),
+                         np.log10(part["W"])])
     coef, *_ = np.linalg.lstsq(x, np.log10(part[metric].to_numpy()), rcond=None)
     return coef
 
 
 def _predict(coef: np.ndarray, layers: float, window: float) -> float:
-    return float(coef[0] + coef[1] * math.log10(layers) + coef[2] * math.log10(window))
+    """log10 of the fitted metric at L_d = layers, W = N = window."""
+    return float(coef[0] + coef[1] * math.log10(layers - 1) + coef[2] * math.log10(window))
 
 
 def extrapolate(table: pd.DataFrame, metric: str, layers: int, window: int,
@@ -121,7 +140,7 @@ def extrapolate(table: pd.DataFrame, metric: str, layers: int, window: int,
     if coef is None:
         return {"metric": metric, "fitted": False}
     rng = np.random.default_rng(seed)
-    jobs = [part for _, part in table[table[metric] > 0].groupby("job")]
+    jobs = [part for _, part in fittable(table, metric).groupby("job")]
     draws = []
     for _ in range(bootstrap):
         sample = pd.concat([part.iloc[rng.integers(0, len(part), len(part))] for part in jobs])
@@ -131,20 +150,23 @@ def extrapolate(table: pd.DataFrame, metric: str, layers: int, window: int,
     errors = []
     for job, _ in table.groupby("job"):
         c = fit_power_law(table[table["job"] != job], metric)
-        held = table[(table["job"] == job) & (table[metric] > 0)]
+        held = fittable(table[table["job"] == job], metric)
         if c is not None and len(held):
             predicted = _predict(c, held["L_d"].iloc[0], held["W"].iloc[0])
             errors.append(abs(predicted - float(np.log10(held[metric]).mean())))
     value = _predict(coef, layers, window)
+    fitted = fittable(table, metric)
     return {"metric": metric, "fitted": True,
-            "coef": {"a": float(coef[0]), "b_layers": float(coef[1]), "c_window": float(coef[2])},
+            "coef": {"a": float(coef[0]), "b_inexact_layers": float(coef[1]),
+                     "c_window": float(coef[2])},
             "target": {"L_d": layers, "W": window, "N": window},
             "log10_prediction": value, "prediction": 10 ** value,
             "band": [10 ** float(np.quantile(draws, 0.025)), 10 ** float(np.quantile(draws, 0.975))]
             if draws else None,
             "leave_one_job_out_decades": float(np.mean(errors)) if errors else None,
-            "fitted_range": {"L_d": [int(table["L_d"].min()), int(table["L_d"].max())],
-                             "W": [int(table["W"].min()), int(table["W"].max())]}}
+            "fitted_range": {"L_d": [int(fitted["L_d"].min()), int(fitted["L_d"].max())],
+                             "W": [int(fitted["W"].min()), int(fitted["W"].max())]},
+            "exact_jobs": sorted(table[table["exact"].astype(bool)]["job"].unique().tolist())}
 
 
 def drop_summary(table: pd.DataFrame) -> list[dict]:
@@ -168,15 +190,19 @@ def statement(fits: dict, drops: list[dict], target: dict) -> list[str]:
             continue
         co, rng = fit["coef"], fit["fitted_range"]
         band = fit["band"]
+        exact = (f" ({', '.join(fit['exact_jobs'])}: N = W >= R_exact, exact by construction, "
+                 "not fitted)" if fit.get("exact_jobs") else "")
         lines.append(
-            f"{name} at N = W ~ L_d^{co['b_layers']:.2f} W^{co['c_window']:.2f}; at L_d = "
+            f"{name} at N = W ~ (L_d - 1)^{co['b_inexact_layers']:.2f} W^{co['c_window']:.2f}"
+            f"{exact}; at L_d = "
             f"{target['L_d']}, W = N = {target['W']} the fit predicts {fit['prediction']:.3g} "
             f"nats (95% band {band[0]:.3g}-{band[1]:.3g} from seed resampling)"
             + (f"; leave-one-job-out error {fit['leave_one_job_out_decades']:.2f} decades"
                if fit["leave_one_job_out_decades"] is not None else "")
             + f". The fit spans L_d {rng['L_d'][0]}-{rng['L_d'][1]} and W {rng['W'][0]}-"
-            f"{rng['W'][1]}: the target lies {target['L_d'] / rng['L_d'][1]:.0f}x beyond in "
-            f"depth and {target['W'] / rng['W'][1]:.0f}x in window, so the band states the "
+            f"{rng['W'][1]}: the target lies {(target['L_d'] - 1) / (rng['L_d'][1] - 1):.0f}x "
+            f"beyond in inexact layers and {target['W'] / rng['W'][1]:.0f}x in window, so the "
+            "band states the "
             "seed noise of the fit, not the error of extrapolating a power law that far.")
     significant = [d for d in drops if d["ci_high"] < 0]
     if drops and not significant:

@@ -1,6 +1,7 @@
 """evals.scaling on a fabricated scaling study whose KL at N = W follows a known power law in
-L_d and W: the fit recovers the exponents, the extrapolation and its band bracket the truth, the
-accuracy drops are pooled per job, and the command line writes its outputs."""
+the inexact layers L_d - 1 and W (and is round-off for L_d = 1, where N = W >= R_exact): the fit
+leaves the exact job out, recovers the exponents, the extrapolation and its band bracket the
+truth, the accuracy drops are pooled per job, and the command line writes its outputs."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ced import ModelConfig
 from evals.scaling import extrapolate, fit_power_law, geometry, main, points
 
 GRID = [(1, 16), (2, 16), (3, 16), (2, 8), (2, 32)]          # (L_d, W) per job
 
 
 def true_kl(layers: int, window: int) -> float:
-    return 0.01 * layers ** 1.5 * window ** -0.5
+    """(L_d - 1)^1.5 W^-0.5; L_d = 1 replays exactly at N = W: round-off, which a log fit over
+    positive values would take for a real point 15 decades down."""
+    return 0.01 * (layers - 1) ** 1.5 * window ** -0.5 if layers > 1 else 3e-17
 
 
 def fake_study(root, noise: float = 0.05, lost: int = 0):
@@ -28,8 +32,9 @@ def fake_study(root, noise: float = 0.05, lost: int = 0):
         for seed in range(3):
             run = root / "runs" / job / f"seed{seed}"
             (run / "final").mkdir(parents=True)
-            (run / "final" / "config.json").write_text(json.dumps(
-                {"n_decoder_layers": layers, "window": window}))
+            (run / "final" / "config.json").write_text(json.dumps(ModelConfig(
+                variant="ced", n_encoder_layers=2, n_decoder_layers=layers, window=window,
+                encoder_kv_groups=0).to_dict()))
             kl = true_kl(layers, window) * 10 ** rng.normal(0, noise)
             for prompt in range(4):
                 div_rows += [{"checkpoint": str(run / "final"), "mode": f"replay={window}",
@@ -52,9 +57,13 @@ def fake_study(root, noise: float = 0.05, lost: int = 0):
 
 
 def test_fit_recovers_the_power_law_and_brackets_the_extrapolation(tmp_path):
-    fake_study(tmp_path)
+    # 0.02 decades of seed noise: with two depth points (L_d - 1 = 1, 2: 0.3 decades apart)
+    # the slope's standard error is about 0.05, inside the 0.15 tolerance below
+    fake_study(tmp_path, noise=0.02)
     table = points(tmp_path, geometry(tmp_path))
     assert len(table) == 15 and table["kl_first"].notna().all()
+    assert set(table[table["exact"]]["job"]) == {"L1_W16"}
+    assert (table["R_exact"] == table["L_d"] * (table["W"] - 1) + 1).all()
     coef = fit_power_law(table, "kl_first")
     assert coef[1] == pytest.approx(1.5, abs=0.15) and coef[2] == pytest.approx(-0.5, abs=0.15)
     fit = extrapolate(table, "kl_first", 20, 128, bootstrap=300)
@@ -62,7 +71,8 @@ def test_fit_recovers_the_power_law_and_brackets_the_extrapolation(tmp_path):
     assert fit["band"][0] < truth < fit["band"][1]
     assert abs(math.log10(fit["prediction"] / truth)) < 0.3
     assert fit["leave_one_job_out_decades"] < 0.2
-    assert fit["fitted_range"] == {"L_d": [1, 3], "W": [8, 32]}
+    assert fit["fitted_range"] == {"L_d": [2, 3], "W": [8, 32]}
+    assert fit["exact_jobs"] == ["L1_W16"]
 
 
 def test_cli_reports_no_drop_when_none_and_a_drop_when_there_is_one(tmp_path):
