@@ -12,6 +12,7 @@ Semantics: docs/semantics.md.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -296,6 +297,177 @@ def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
     return mask.scatter_(-1, target, True)[..., :n_read]
 
 
+# ---------------------------------------------------------------------------------------------
+# Kernels of the joint softmax read. `attend` decides which keys each query sees; a kernel only
+# computes softmax([q.k for every key set] ++ [sink]) and the matching value reads. Two kernels
+# compute the same quantity: the reference (plain matmuls, softmax over concatenated logits; any
+# device and dtype, and the only one for a gathered top-k read) and, on CPU, torch's fused
+# flash-attention kernel called once per key set with the partial reads merged through their
+# log-sum-exps. The choice is speed only (about 2x on the attention of a training step).
+# ---------------------------------------------------------------------------------------------
+
+ATTENTION_KERNELS = ("auto", "reference")
+_attention_kernel = "auto"
+try:
+    _FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+except (AttributeError, RuntimeError):          # a torch build without the CPU kernel
+    _FLASH_FORWARD = _FLASH_BACKWARD = None
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def set_attention_kernel(name: str) -> str:
+    """Choose the kernel of every later `attend` call; returns the previous choice.
+    "auto": the fused CPU flash kernel where it applies (CPU tensors of fp32/fp64/bf16, no
+    gathered top-k read), else the reference; "reference": always the reference. Both give the
+    same result up to floating-point rounding (tests/unit/test_attention_kernels.py)."""
+    global _attention_kernel
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel: must be one of {ATTENTION_KERNELS}; got {name!r}")
+    previous, _attention_kernel = _attention_kernel, name
+    return previous
+
+
+@contextmanager
+def attention_kernel(name: str):
+    """`with attention_kernel("reference"): ...` runs the block with that kernel."""
+    previous = set_attention_kernel(name)
+    try:
+        yield
+    finally:
+        set_attention_kernel(previous)
+
+
+@dataclass
+class KeySet:
+    """One set of keys a block of queries reads: k, v [B, H, S, Dh], or with gathered=True the
+    per-query rows of a top-k gather [B, H, C, k, Dh]; hidden: BoolTensor broadcastable to
+    [B, H, C, S] (or [B, H, C, k]), True where a query may not read the key."""
+
+    k: Tensor
+    v: Tensor
+    hidden: Tensor
+    gathered: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.k.shape[-2]
+
+
+def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
+                    ) -> tuple[Tensor, list[Tensor]]:
+    """The joint softmax read with plain matmuls. q [B, H, C, Dh] (already scaled).
+    Returns the output [B, H, C, Dh] and the probabilities over each key set, [B, H, C, S]."""
+    b, h, c, _ = q.shape
+    logits = []
+    for ks in key_sets:
+        if ks.gathered:
+            scores = torch.matmul(q.unsqueeze(-2), ks.k.transpose(-1, -2)).squeeze(-2)
+        else:
+            scores = torch.matmul(q, ks.k.transpose(-1, -2))
+        logits.append(scores.masked_fill(ks.hidden, -torch.inf))
+    if sink is not None:
+        logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c, 1))
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    out, at, per_set = None, 0, []
+    for ks in key_sets:
+        p = probs[..., at:at + ks.width]
+        at += ks.width
+        read = (torch.matmul(p.unsqueeze(-2), ks.v).squeeze(-2) if ks.gathered
+                else torch.matmul(p, ks.v))
+        out = read if out is None else out + read
+        per_set.append(p)
+    return out, per_set
+
+
+class _FlashJointRead(torch.autograd.Function):
+    """softmax over several key sets and a sink, one fused flash call per set.
+
+    Each call returns its set's normalised read o_i and log-sum-exp l_i; the joint read is
+    sum_i exp(l_i - L) o_i with L = logsumexp(l_1, .., l_n, sink). The backward calls the fused
+    backward per set with the joint output and L in place of the set's own: the kernel then
+    recomputes the joint probabilities exp(s - L) and its row term rowsum(grad * out) is the
+    joint one, which is exactly the gradient of the joint softmax (no term is missing)."""
+
+    @staticmethod
+    def forward(ctx, q, sink, masks, empties, *kv):
+        outs, lses = [], []
+        for i, mask in enumerate(masks):
+            o, lse = _FLASH_FORWARD(q, kv[2 * i], kv[2 * i + 1], 0.0, False, attn_mask=mask,
+                                    scale=1.0)
+            outs.append(o)
+            lses.append(lse.masked_fill(empties[i], -torch.inf))   # the kernel says 0 there
+        if sink is not None:
+            lses.append(sink.to(lses[0].dtype).view(1, -1, 1).expand_as(lses[0]))
+        total = torch.logsumexp(torch.stack(lses), dim=0)
+        out = outs[0] * torch.exp(lses[0] - total)[..., None].to(q.dtype)
+        for o, lse in zip(outs[1:], lses[1:]):
+            out = out + o * torch.exp(lse - total)[..., None].to(q.dtype)
+        ctx.masks = masks
+        ctx.save_for_backward(q, sink, out, total, *kv)
+        ctx.mark_non_differentiable(total)
+        return out, total
+
+    @staticmethod
+    def backward(ctx, grad, _grad_total):
+        q, sink, out, total, *kv = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_q, grad_kv = None, []
+        for i, mask in enumerate(ctx.masks):
+            dq, dk, dv = _FLASH_BACKWARD(grad, q, kv[2 * i], kv[2 * i + 1], out, total, 0.0,
+                                         False, attn_mask=mask, scale=1.0)
+            grad_q = dq if grad_q is None else grad_q + dq
+            grad_kv += [dk, dv]
+        grad_sink = None
+        if sink is not None and ctx.needs_input_grad[1]:
+            # d out / d sink = -out * p_sink per query row
+            p_sink = torch.exp(sink.to(total.dtype).view(1, -1, 1) - total)
+            grad_sink = -((grad * out).sum(-1).to(total.dtype) * p_sink).sum((0, 2))
+            grad_sink = grad_sink.to(sink.dtype)
+        return grad_q, grad_sink, None, None, *grad_kv
+
+
+def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
+    return (_attention_kernel == "auto" and _FLASH_FORWARD is not None
+            and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+            and all(not ks.gathered and ks.k.dtype == q.dtype and ks.v.dtype == q.dtype
+                    for ks in key_sets))
+
+
+def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of: int | None
+                ) -> tuple[Tensor, list[Tensor | None]]:
+    """The joint softmax read through `_FlashJointRead`; the probabilities of key set
+    `probs_of` only (recomputed, detached), the others None."""
+    b, h, c, _ = q.shape
+    used = [ks for ks in key_sets if ks.width > 0]
+    masks = tuple(torch.zeros(ks.hidden.shape, dtype=q.dtype, device=q.device)
+                  .masked_fill_(ks.hidden, -torch.inf) for ks in used)
+    empties = tuple(ks.hidden.all(-1) for ks in used)
+    kv = [t for ks in used for t in (ks.k, ks.v)]
+    if not used:       # nothing to read: the sink alone (or nothing) in the denominator
+        out = q.new_zeros(b, h, c, q.shape[-1])
+        return out, [q.new_zeros(b, h, c, 0) for _ in key_sets]
+    out, total = _FlashJointRead.apply(q, sink, masks, empties, *kv)
+    per_set: list[Tensor | None] = [None] * len(key_sets)
+    if probs_of is not None:
+        ks = key_sets[probs_of]
+        with torch.no_grad():
+            scores = torch.matmul(q, ks.k.transpose(-1, -2)).masked_fill(ks.hidden, -torch.inf)
+            per_set[probs_of] = torch.exp(scores - total[..., None].to(q.dtype))
+    return out, per_set
+
+
+def joint_read(q: Tensor, key_sets: list[KeySet], sink: Tensor | None,
+               probs_of: int | None = None) -> tuple[Tensor, list[Tensor | None]]:
+    """softmax over the logits q.k of every key set plus the sink logit (per head, it only
+    enters the denominator), and the matching read of the values. q [B, H, C, Dh], already
+    scaled. Returns the output [B, H, C, Dh] and the probabilities over each key set
+    ([B, H, C, S], detached where the fused kernel ran; only `probs_of`'s is guaranteed)."""
+    if _flash_applies(q, key_sets):
+        return _read_flash(q, key_sets, sink, probs_of)
+    return _read_reference(q, key_sets, sink)
+
+
 def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
            source: SourceKV | None, selection: Selection | None, sink: Tensor | None,
            block: int, want_global_probs: bool = False,
@@ -316,11 +488,9 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
 
     Why this stays one function, over 60 lines: it is the one readable place for the visibility
     rules (which window keys a query sees, which global entries are visible and selected, how
-    the three read forms mask them) and for the joint softmax over window keys, global entries
-    and the sink, whose column layout the value reads below must match. Training, parallel
-    evaluation and the engine all run through it, so splitting it into pieces would scatter
-    those rules over functions that pass one block's logits, widths and masks between them,
-    without making any piece usable on its own.
+    the three read forms mask them). Each block's rules become KeySets, and `joint_read` takes
+    the one softmax over all of them and the sink (by the fused CPU kernel or the reference,
+    the same quantity). Training, parallel evaluation and the engine all run through it.
     """
     b, h, n_queries, dh = q.shape
     q = q * (1.0 / math.sqrt(dh))      # scaled once here rather than every block's logits
@@ -331,16 +501,15 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
         c1 = min(c0 + block, n_queries)
         qc = q[:, :, c0:c1]
         qpos = query_positions[c0:c1]
-        logits, values = [], []
+        key_sets: list[KeySet] = []
         if window is not None:
             low = lower[:, c0:c1]
             first = int(torch.searchsorted(window.positions, low.min()))
             last = int(torch.searchsorted(window.positions, qpos[-1], right=True))
             kpos = window.positions[first:last]
             hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
-            wl = torch.matmul(qc, window.k[:, :, first:last].transpose(-1, -2))
-            logits.append(wl.masked_fill(hidden[:, None], -torch.inf))
-            values.append(window.v[:, :, first:last])
+            key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
+                                   hidden[:, None]))
         masked = False
         if source is not None:
             n_read = int(n_visible[c1 - 1])
@@ -348,11 +517,10 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 idx, valid = selection.index[:, c0:c1], selection.valid[:, c0:c1]
                 masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1])
             if sparse and not masked:
-                gk, gv = _gather_entries(source.k, idx), _gather_entries(source.v, idx)
-                gl = torch.matmul(qc.unsqueeze(-2), gk.transpose(-1, -2)).squeeze(-2)
-                logits.append(gl.masked_fill(~valid[:, None], -torch.inf))
+                key_sets.append(KeySet(_gather_entries(source.k, idx),
+                                       _gather_entries(source.v, idx), ~valid[:, None],
+                                       gathered=True))
             else:
-                gl = torch.matmul(qc, source.k[:, :, :n_read].transpose(-1, -2))
                 if masked:
                     hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
                 else:
@@ -360,30 +528,17 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                     hidden = (entry[None, :] >= n_visible[c0:c1, None])[None, None]
                     if first_entry is not None:
                         hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
-                logits.append(gl.masked_fill(hidden, -torch.inf))
-        if sink is not None:
-            logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c1 - c0, 1))
-        probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-        out, at = None, 0
-        if window is not None:
-            width = values[0].shape[2]
-            out = torch.matmul(probs[..., :width], values[0])
-            at = width
-        if source is not None:
-            width = gl.shape[-1]
-            gp = probs[..., at:at + width]
-            if sparse and not masked:
-                read = torch.matmul(gp.unsqueeze(-2), gv).squeeze(-2)
-            else:
-                read = torch.matmul(gp, source.v[:, :, :width])
-            out = read if out is None else out + read
-            if want_global_probs:
-                mass = gp.detach().sum(dim=1)
-                if sparse and masked:     # back to the selection's slots [B, C, k]
-                    mass = torch.gather(F.pad(mass, (0, source.n_entries - width)), -1, idx)
-                elif not sparse:
-                    mass = F.pad(mass, (0, source.n_entries - width))
-                global_probs.append(mass)
+                key_sets.append(KeySet(source.k[:, :, :n_read], source.v[:, :, :n_read], hidden))
+        wants_mass = want_global_probs and source is not None
+        out, probs = joint_read(qc, key_sets, sink, len(key_sets) - 1 if wants_mass else None)
+        if wants_mass:
+            mass = probs[-1].detach().sum(dim=1)
+            width = key_sets[-1].width
+            if sparse and masked:     # back to the selection's slots [B, C, k]
+                mass = torch.gather(F.pad(mass, (0, source.n_entries - width)), -1, idx)
+            elif not sparse:
+                mass = F.pad(mass, (0, source.n_entries - width))
+            global_probs.append(mass)
         outputs.append(out if out is not None else qc.new_zeros(b, h, c1 - c0, dh))
     result = torch.cat(outputs, dim=2)
     return result, (torch.cat(global_probs, dim=1) if global_probs else None)
@@ -594,16 +749,30 @@ def _indexer_kl(global_probs: Tensor, selection: Selection, positions: Tensor,
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward.
+
+    The hidden width runs padded to a multiple of `PAD_HIDDEN` with zero units that are not
+    parameters: CPU GEMMs at a width such as 683 ran up to 1.3x slower than at 688
+    (benchmarks/peer.py's SwiGLU), and a zero unit adds exactly nothing (its gate and up rows
+    are 0, silu(0) * 0 = 0, and its down column is 0), so the function and the parameters are
+    those of the unpadded MLP."""
+
+    PAD_HIDDEN = 16
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ff_dim, bias=False)   # one matmul
         self.down = nn.Linear(cfg.ff_dim, cfg.d_model, bias=False)
+        self.pad = -cfg.ff_dim % self.PAD_HIDDEN
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up, down = self.gate_up.weight, self.down.weight
+        if self.pad:
+            width, d = down.shape[1], down.shape[0]
+            gate_up = F.pad(gate_up.view(2, width, d), (0, 0, 0, self.pad)).view(-1, d)
+            down = F.pad(down, (0, self.pad))
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
 
 
 class Block(nn.Module):

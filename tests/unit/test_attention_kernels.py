@@ -1,0 +1,185 @@
+"""The two kernels of the joint softmax read (ced.model.joint_read) compute the same thing.
+
+The fused CPU flash kernel runs one call per key set and merges the partial reads through their
+log-sum-exps, with a hand-written backward; the reference concatenates logits and takes one
+softmax. They must agree, forward and backward, on every mask shape `attend` builds (rows with
+no visible key in a set, broadcast masks, a sink), in float64 to 1e-12."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ced.model as model_module
+from ced import CEDModel, ModelConfig
+from ced.model import MLP, KeySet, attention_kernel, joint_read, set_attention_kernel
+
+pytestmark = pytest.mark.skipif(model_module._FLASH_FORWARD is None,
+                                reason="this torch build has no fused CPU attention kernel")
+TOL = 1e-12   # float64; the kernels differ only in summation order
+
+
+def random_key_sets(seed: int, batch: int, heads: int, queries: int, widths: list[int],
+                    dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    sets = []
+    for i, width in enumerate(widths):
+        k = torch.randn(batch, heads, width, 8, generator=g, dtype=dtype)
+        v = torch.randn(batch, heads, width, 8, generator=g, dtype=dtype)
+        # alternate per-row masks [B, 1, C, S] and broadcast ones [1, 1, C, S]
+        rows = batch if i % 2 == 0 else 1
+        hidden = torch.rand(rows, 1, queries, width, generator=g) < 0.6
+        hidden[:, :, 0] = True                     # a query that sees nothing in this set
+        sets.append(KeySet(k.requires_grad_(), v.requires_grad_(), hidden))
+    q = torch.randn(batch, heads, queries, 8, generator=g, dtype=dtype).requires_grad_()
+    sink = torch.randn(heads, generator=g, dtype=dtype).requires_grad_()
+    return q, sets, sink
+
+
+def run(kernel: str, q, sets, sink, probs_of):
+    leaves = [q, sink] + [t for ks in sets for t in (ks.k, ks.v)]
+    for t in leaves:
+        t.grad = None
+    with attention_kernel(kernel):
+        out, probs = joint_read(q, sets, sink, probs_of)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    (out * weights).sum().backward()
+    return out.detach(), probs[probs_of].detach(), [t.grad.clone() for t in leaves]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("widths", [[7], [5, 11], [3, 9, 4]])
+def test_fused_and_reference_reads_agree(seed, widths):
+    q, sets, sink = random_key_sets(seed, batch=2, heads=3, queries=6, widths=widths)
+    ref = run("reference", q, sets, sink, probs_of=len(sets) - 1)
+    fused = run("auto", q, sets, sink, probs_of=len(sets) - 1)
+    # query 0 sees nothing in any set: only the sink is in its denominator, the output is 0
+    assert torch.equal(fused[0][:, :, 0], torch.zeros_like(fused[0][:, :, 0]))
+    torch.testing.assert_close(fused[0], ref[0], rtol=0, atol=TOL)
+    torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=TOL)
+    for got, want in zip(fused[2], ref[2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+def test_fused_read_without_sink_and_with_an_empty_set():
+    q, sets, _ = random_key_sets(3, batch=2, heads=2, queries=5, widths=[6, 4])
+    for ks in sets:
+        ks.hidden[:, :, 0] = False                 # every query sees something
+    sets.append(KeySet(sets[0].k[:, :, :0], sets[0].v[:, :, :0], sets[0].hidden[..., :0]))
+    with attention_kernel("reference"):
+        ref, _ = joint_read(q, sets, None)
+    fused, _ = joint_read(q, sets, None)
+    torch.testing.assert_close(fused, ref, rtol=0, atol=TOL)
+
+
+def test_the_fused_kernel_is_the_one_that_runs_on_cpu(monkeypatch):
+    calls = []
+    original = model_module._FlashJointRead.apply
+    monkeypatch.setattr(model_module._FlashJointRead, "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    q, sets, sink = random_key_sets(0, batch=1, heads=2, queries=4, widths=[5])
+    joint_read(q, sets, sink)
+    assert calls, "auto did not take the fused kernel on CPU float64"
+    calls.clear()
+    with attention_kernel("reference"):
+        joint_read(q, sets, sink)
+    assert not calls
+    gathered = KeySet(torch.randn(1, 2, 4, 3, 8, dtype=torch.float64),
+                      torch.randn(1, 2, 4, 3, 8, dtype=torch.float64),
+                      torch.zeros(1, 1, 4, 3, dtype=torch.bool), gathered=True)
+    joint_read(q, [gathered], sink)
+    assert not calls, "a gathered top-k read has per-query keys: only the reference reads it"
+
+
+def test_unknown_kernel_is_rejected():
+    with pytest.raises(ValueError, match="attention kernel: must be one of"):
+        set_attention_kernel("triton")
+
+
+def test_fused_read_in_bf16_is_close_to_the_reference():
+    q, sets, sink = random_key_sets(1, batch=2, heads=2, queries=8, widths=[9, 6],
+                                    dtype=torch.float32)
+    q16 = q.detach().bfloat16()
+    sets16 = [KeySet(ks.k.detach().bfloat16(), ks.v.detach().bfloat16(), ks.hidden)
+              for ks in sets]
+    with attention_kernel("reference"):
+        ref, _ = joint_read(q16.float(), [KeySet(ks.k.float(), ks.v.float(), ks.hidden)
+                                          for ks in sets16], sink.detach().float())
+    fused, _ = joint_read(q16, sets16, sink.detach())
+    assert fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), ref, rtol=0, atol=2e-2)
+
+
+MODEL_CASES = [("dense", None), ("swa", None), ("yoco", None), ("ced", None), ("ced", 4)]
+
+
+@pytest.mark.parametrize("variant,topk", MODEL_CASES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_whole_model_agrees_between_kernels(variant, topk, seed):
+    """Logits, indexer KL and every parameter gradient, with document starts, per-row decoder
+    replay starts and query blocks that cut windows, in float64."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=4,
+                      n_decoder_layers=2, encoder_kv_groups=2, window=5, topk=topk,
+                      decoder_reindex_every=1, attention_block=7, shift_tokens=2)
+    model = CEDModel(cfg).double()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.sink.normal_()
+    ids = torch.randint(0, cfg.vocab_size, (3, 29))
+    docs = torch.tensor([[0, 11], [0, 0], [0, 20]])
+    replay = torch.tensor([25, 3, 14]) if cfg.has_decoder else None
+    results = {}
+    for kernel in ("reference", "auto"):
+        model.zero_grad()
+        with attention_kernel(kernel):
+            logits, aux = model(ids, return_aux=True, document_starts=docs,
+                                decoder_replay_start=replay)
+        (logits.pow(2).mean() + aux["indexer_kl"]).backward()
+        results[kernel] = (logits.detach(), aux["indexer_kl"].detach(),
+                           {n: p.grad.clone() for n, p in model.named_parameters()
+                            if p.grad is not None})
+    ref, fused = results["reference"], results["auto"]
+    torch.testing.assert_close(fused[0], ref[0], rtol=0, atol=TOL)
+    torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=TOL)
+    assert fused[2].keys() == ref[2].keys()
+    for name in ref[2]:
+        torch.testing.assert_close(fused[2][name], ref[2][name], rtol=0, atol=TOL, msg=name)
+
+
+def test_fused_training_step_is_bitwise_reproducible():
+    cfg = ModelConfig(variant="ced", d_model=32, n_heads=2, n_encoder_layers=4,
+                      n_decoder_layers=2, encoder_kv_groups=2, window=5, topk=4,
+                      attention_block=8)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = CEDModel(cfg)
+        logits, aux = model(ids, return_aux=True)
+        (F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+         + aux["indexer_kl"]).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("ff", [683, 16, 17, 40])
+def test_padded_mlp_is_the_unpadded_swiglu(ff):
+    torch.manual_seed(ff)
+    cfg = ModelConfig(variant="dense", d_model=32, n_heads=2, n_encoder_layers=1,
+                      n_decoder_layers=1, d_ff=ff)
+    mlp = MLP(cfg).double()
+    assert mlp.gate_up.weight.shape == (2 * ff, 32) and mlp.down.weight.shape == (32, ff)
+    x = torch.randn(3, 5, 32, dtype=torch.float64)
+    gate, up = F.linear(x, mlp.gate_up.weight).chunk(2, dim=-1)
+    plain = F.linear(F.silu(gate) * up, mlp.down.weight)
+    torch.testing.assert_close(mlp(x), plain, rtol=0, atol=TOL)
+    mlp(x).sum().backward()
+    padded = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    plain = F.linear(F.silu(F.linear(x, mlp.gate_up.weight).chunk(2, -1)[0])
+                     * F.linear(x, mlp.gate_up.weight).chunk(2, -1)[1], mlp.down.weight)
+    plain.sum().backward()
+    for got, p in zip(padded, mlp.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=0, atol=TOL)
