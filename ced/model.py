@@ -165,13 +165,41 @@ def select_entries(scores: Tensor, n_visible: Tensor, k: int,
 
 
 def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotary embedding of x [..., T, Dh] at integer positions [T] (angles in float64)."""
+    """Rotary embedding of x [..., T, Dh] at integer positions [T] (angles in float64): each
+    pair (x[j], x[j + Dh/2]) is rotated by positions * theta^(-2j/Dh)."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
     angle = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    return _Rotate.apply(x, angle.cos().to(x.dtype), angle.sin().to(x.dtype))
+
+
+class _Rotate(torch.autograd.Function):
+    """x [..., T, Dh] rotated pairwise by cos, sin [T, Dh/2]. Written as four in-place
+    products into one output (no slices, negation or concatenation for autograd to undo);
+    the backward is the inverse rotation (sin -> -sin) of the gradient, since a rotation's
+    transpose is its inverse."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, inverse=False)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, inverse=True), None, None
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=first)
+    torch.mul(x2, cos, out=second)
+    first.addcmul_(x2, sin, value=1 if inverse else -1)    # x1 cos -/+ x2 sin
+    second.addcmul_(x1, sin, value=-1 if inverse else 1)   # x2 cos +/- x1 sin
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +376,9 @@ class KeySet:
     v: Tensor
     hidden: Tensor
     gathered: bool = False
+    # True when `hidden` is exactly "key j > query i" on a square block that starts at key 0:
+    # the fused kernel then masks causally itself and skips the blocks above the diagonal.
+    causal: bool = False
 
     @property
     def width(self) -> int:
@@ -390,20 +421,22 @@ class _FlashJointRead(torch.autograd.Function):
     joint one, which is exactly the gradient of the joint softmax (no term is missing)."""
 
     @staticmethod
-    def forward(ctx, q, sink, masks, empties, *kv):
+    def forward(ctx, q, sink, masks, empties, causal, *kv):
         outs, lses = [], []
         for i, mask in enumerate(masks):
-            o, lse = _FLASH_FORWARD(q, kv[2 * i], kv[2 * i + 1], 0.0, False, attn_mask=mask,
-                                    scale=1.0)
+            o, lse = _FLASH_FORWARD(q, kv[2 * i], kv[2 * i + 1], 0.0, causal[i],
+                                    attn_mask=mask, scale=1.0)
             outs.append(o)
-            lses.append(lse.masked_fill(empties[i], -torch.inf))   # the kernel says 0 there
+            if empties[i] is not None:
+                lse = lse.masked_fill(empties[i], -torch.inf)   # the kernel says 0 there
+            lses.append(lse)
         if sink is not None:
             lses.append(sink.to(lses[0].dtype).view(1, -1, 1).expand_as(lses[0]))
         total = torch.logsumexp(torch.stack(lses), dim=0)
         out = outs[0] * torch.exp(lses[0] - total)[..., None].to(q.dtype)
         for o, lse in zip(outs[1:], lses[1:]):
             out = out + o * torch.exp(lse - total)[..., None].to(q.dtype)
-        ctx.masks = masks
+        ctx.masks, ctx.causal = masks, causal
         ctx.save_for_backward(q, sink, out, total, *kv)
         ctx.mark_non_differentiable(total)
         return out, total
@@ -415,7 +448,7 @@ class _FlashJointRead(torch.autograd.Function):
         grad_q, grad_kv = None, []
         for i, mask in enumerate(ctx.masks):
             dq, dk, dv = _FLASH_BACKWARD(grad, q, kv[2 * i], kv[2 * i + 1], out, total, 0.0,
-                                         False, attn_mask=mask, scale=1.0)
+                                         ctx.causal[i], attn_mask=mask, scale=1.0)
             grad_q = dq if grad_q is None else grad_q + dq
             grad_kv += [dk, dv]
         grad_sink = None
@@ -424,7 +457,7 @@ class _FlashJointRead(torch.autograd.Function):
             p_sink = torch.exp(sink.to(total.dtype).view(1, -1, 1) - total)
             grad_sink = -((grad * out).sum(-1).to(total.dtype) * p_sink).sum((0, 2))
             grad_sink = grad_sink.to(sink.dtype)
-        return grad_q, grad_sink, None, None, *grad_kv
+        return grad_q, grad_sink, None, None, None, *grad_kv
 
 
 def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
@@ -440,14 +473,17 @@ def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of
     `probs_of` only (recomputed, detached), the others None."""
     b, h, c, _ = q.shape
     used = [ks for ks in key_sets if ks.width > 0]
-    masks = tuple(torch.zeros(ks.hidden.shape, dtype=q.dtype, device=q.device)
-                  .masked_fill_(ks.hidden, -torch.inf) for ks in used)
-    empties = tuple(ks.hidden.all(-1) for ks in used)
+    masks = tuple(None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
+                                                     device=q.device).masked_fill_(ks.hidden,
+                                                                                   -torch.inf)
+                  for ks in used)
+    empties = tuple(None if ks.causal else ks.hidden.all(-1) for ks in used)
+    causal = tuple(ks.causal for ks in used)
     kv = [t for ks in used for t in (ks.k, ks.v)]
     if not used:       # nothing to read: the sink alone (or nothing) in the denominator
         out = q.new_zeros(b, h, c, q.shape[-1])
         return out, [q.new_zeros(b, h, c, 0) for _ in key_sets]
-    out, total = _FlashJointRead.apply(q, sink, masks, empties, *kv)
+    out, total = _FlashJointRead.apply(q, sink, masks, empties, causal, *kv)
     per_set: list[Tensor | None] = [None] * len(key_sets)
     if probs_of is not None:
         ks = key_sets[probs_of]
@@ -466,6 +502,29 @@ def joint_read(q: Tensor, key_sets: list[KeySet], sink: Tensor | None,
     if _flash_applies(q, key_sets):
         return _read_flash(q, key_sets, sink, probs_of)
     return _read_reference(q, key_sets, sink)
+
+
+def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
+                  window: WindowKV | None, source: SourceKV | None, sparse: bool,
+                  first_entry: Tensor | None) -> bool:
+    """Whether a whole `attend` call is one plain causal read the fused kernel can mask by
+    itself (query i sees keys 0..i of one key set): a full-causal window from position 0 with
+    no replay or document start, or a ratio-1 dense global read with no document mask. Such a
+    call then runs as one block: per-block masks would make the kernel score every key it
+    hides, about twice the work of its causal loop at long T."""
+    if not (_attention_kernel == "auto" and _FLASH_FORWARD is not None
+            and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES):
+        return False
+    n, start = len(query_positions), int(query_positions[0]) if len(query_positions) else -1
+    if start != 0:
+        return False
+    if window is not None and source is None:
+        return (window.positions.numel() == n and window.k.dtype == q.dtype
+                and not bool(lower.any()))
+    if window is None and source is not None:
+        return (not sparse and first_entry is None and source.compress_ratio == 1
+                and source.n_entries == n and source.k.dtype == q.dtype)
+    return False
 
 
 def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
@@ -496,6 +555,9 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     q = q * (1.0 / math.sqrt(dh))      # scaled once here rather than every block's logits
     sparse = selection is not None and selection.index is not None
     n_visible = visible_entries(query_positions, source.compress_ratio) if source else None
+    causal = _plain_causal(q, query_positions, lower, window, source, sparse, first_entry)
+    if causal:
+        block = n_queries
     outputs, global_probs = [], []
     for c0 in range(0, n_queries, block):
         c1 = min(c0 + block, n_queries)
@@ -509,7 +571,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             kpos = window.positions[first:last]
             hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
             key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
-                                   hidden[:, None]))
+                                   hidden[:, None], causal=causal))
         masked = False
         if source is not None:
             n_read = int(n_visible[c1 - 1])
@@ -528,7 +590,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                     hidden = (entry[None, :] >= n_visible[c0:c1, None])[None, None]
                     if first_entry is not None:
                         hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
-                key_sets.append(KeySet(source.k[:, :, :n_read], source.v[:, :, :n_read], hidden))
+                key_sets.append(KeySet(source.k[:, :, :n_read], source.v[:, :, :n_read], hidden,
+                                       causal=causal))
         wants_mass = want_global_probs and source is not None
         out, probs = joint_read(qc, key_sets, sink, len(key_sets) - 1 if wants_mass else None)
         if wants_mass:
@@ -665,15 +728,23 @@ class Attention(nn.Module):
             return Selection(None, None, self.indexer.scores(x, source.index_keys))
         picks, valids, picked_scores = [], [], []
         block = self.cfg.attention_block
+        slots = min(self.cfg.topk, source.n_entries)
         for c0 in range(0, x.shape[1], block):
             c1 = min(c0 + block, x.shape[1])
-            scores = self.indexer.scores(x[:, c0:c1], source.index_keys)
+            # Only the entries visible to the block's last query can be chosen: scoring the
+            # rest (about half of a causal forward's) would be work the selection discards.
+            n_read = int(n_visible[c1 - 1])
+            scores = self.indexer.scores(x[:, c0:c1], source.index_keys[:, :n_read])
             index, valid = select_entries(scores, n_visible[c0:c1], self.cfg.topk,
                                           None if first is None else first[:, c0:c1])
+            if index.shape[-1] < slots:   # fewer entries than slots: pad with invalid slots
+                index = F.pad(index, (0, slots - index.shape[-1]))
+                valid = F.pad(valid, (0, slots - valid.shape[-1]))
             picks.append(index)
             valids.append(valid)
             if ctx.want_aux:
-                picked_scores.append(torch.gather(scores, -1, index))
+                picked_scores.append(torch.gather(F.pad(scores, (0, slots - n_read)) if
+                                                  n_read < slots else scores, -1, index))
         return Selection(torch.cat(picks, 1), torch.cat(valids, 1),
                          torch.cat(picked_scores, 1) if picked_scores else None)
 

@@ -116,9 +116,11 @@ MODEL_CASES = [("dense", None), ("swa", None), ("yoco", None), ("ced", None), ("
 
 @pytest.mark.parametrize("variant,topk", MODEL_CASES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_whole_model_agrees_between_kernels(variant, topk, seed):
-    """Logits, indexer KL and every parameter gradient, with document starts, per-row decoder
-    replay starts and query blocks that cut windows, in float64."""
+@pytest.mark.parametrize("starts", [True, False])
+def test_whole_model_agrees_between_kernels(variant, topk, seed, starts):
+    """Logits, indexer KL and every parameter gradient, with or without document starts and
+    per-row decoder replay starts (without them, dense and yoco's decoder take the one-block
+    causal form), query blocks that cut windows, in float64."""
     torch.manual_seed(seed)
     cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=4,
                       n_decoder_layers=2, encoder_kv_groups=2, window=5, topk=topk,
@@ -128,8 +130,8 @@ def test_whole_model_agrees_between_kernels(variant, topk, seed):
         for block in model.blocks:
             block.attn.sink.normal_()
     ids = torch.randint(0, cfg.vocab_size, (3, 29))
-    docs = torch.tensor([[0, 11], [0, 0], [0, 20]])
-    replay = torch.tensor([25, 3, 14]) if cfg.has_decoder else None
+    docs = torch.tensor([[0, 11], [0, 0], [0, 20]]) if starts else None
+    replay = torch.tensor([25, 3, 14]) if cfg.has_decoder and starts else None
     results = {}
     for kernel in ("reference", "auto"):
         model.zero_grad()
@@ -146,6 +148,25 @@ def test_whole_model_agrees_between_kernels(variant, topk, seed):
     assert fused[2].keys() == ref[2].keys()
     for name in ref[2]:
         torch.testing.assert_close(fused[2][name], ref[2][name], rtol=0, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("variant,expected", [("dense", 4), ("yoco", 2), ("swa", 0), ("ced", 0)])
+def test_plain_causal_reads_run_as_one_causal_call(monkeypatch, variant, expected):
+    """Full-causal layers (dense) and yoco's ratio-1 decoder read are one causal call each;
+    windows and compressed or document-masked reads keep their masks."""
+    causal_calls = []
+    original = model_module._FlashJointRead.apply
+    monkeypatch.setattr(model_module._FlashJointRead, "apply",
+                        lambda *a: causal_calls.extend(c for c in a[4] if c) or original(*a))
+    cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=2,
+                      n_decoder_layers=2, encoder_kv_groups=0, global_from_layer=2, window=5,
+                      attention_block=7)
+    model = CEDModel(cfg)
+    model(torch.randint(0, cfg.vocab_size, (2, 30)))
+    assert len(causal_calls) == expected
+    causal_calls.clear()
+    model(torch.randint(0, cfg.vocab_size, (2, 30)), document_starts=torch.tensor([0, 9]))
+    assert not causal_calls
 
 
 def test_fused_training_step_is_bitwise_reproducible():
@@ -183,3 +204,26 @@ def test_padded_mlp_is_the_unpadded_swiglu(ff):
     plain.sum().backward()
     for got, p in zip(padded, mlp.parameters()):
         torch.testing.assert_close(got, p.grad, rtol=0, atol=TOL)
+
+
+def rotary_by_definition(x, positions, theta):
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    angle = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rotary_matches_its_definition_and_gradcheck(seed):
+    """ced.model.rotary (in-place products, inverse-rotation backward) against the textbook
+    form; gradcheck in float64, on a transposed (non-contiguous) input as the model passes."""
+    from ced.model import rotary
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 9, 3, 8, generator=g, dtype=torch.float64).transpose(1, 2)
+    positions = torch.randint(0, 5000, (9,), generator=g)
+    torch.testing.assert_close(rotary(x, positions, 500.0),
+                               rotary_by_definition(x, positions, 500.0), rtol=0, atol=TOL)
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: rotary(t, positions, 500.0), (x,))
