@@ -125,11 +125,18 @@ def round_scores(scores: Tensor, visible: Tensor) -> Tensor:
     division by it exact, so rounding adds no error of its own; the rounding is half-to-even."""
     if scores.shape[-1] == 0:
         return scores.detach()
+    levels, grid = _score_levels(scores, visible)
+    return levels * grid
+
+
+def _score_levels(scores: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
+    """`round_scores` as (levels, grid): integer-valued levels round(score / grid), at most
+    2 ** SCORE_BITS in magnitude on visible entries, and the per-query grid [B, Tq, 1]."""
     bits = SCORE_BITS.get(scores.dtype, 11)
     magnitude = torch.where(visible, scores.detach().abs(), 0.0).amax(-1, keepdim=True)
     _, exponent = torch.frexp(magnitude)           # magnitude < 2 ** exponent
     grid = torch.ldexp(torch.ones_like(magnitude), exponent - bits)
-    return torch.round(scores.detach() / grid) * grid
+    return torch.round(scores.detach() / grid), grid
 
 
 def entry_visibility(n_entries: int, n_visible: Tensor, first: Tensor | None) -> Tensor:
@@ -156,9 +163,19 @@ def select_entries(scores: Tensor, n_visible: Tensor, k: int,
     n_entries = scores.shape[-1]
     k = min(k, n_entries)
     visible = entry_visibility(n_entries, n_visible, first)
-    # +0.0 turns -0.0 into +0.0 so that a sort cannot order the two zeros apart.
-    key = torch.where(visible, -(round_scores(scores, visible) + 0.0), torch.inf)
-    index = torch.sort(key, dim=-1, stable=True).indices[..., :k]
+    # One distinct int64 key per entry, so that a (partial, unstable) top-k gives the order a
+    # stable sort of the rounded scores would: the higher level first, among equal levels the
+    # lower index; every invisible entry after every visible one, again lower index first.
+    # |level| <= 2 ** SCORE_BITS (26 in float64) and E < 2 ** 30 keep the keys inside int64.
+    if n_entries:
+        levels, _ = _score_levels(scores, visible)
+        rank = n_entries - 1 - torch.arange(n_entries, device=scores.device)
+        levels = torch.where(visible, levels, 0.0).to(torch.int64)
+        key = torch.where(visible, levels * n_entries + rank,
+                          torch.iinfo(torch.int64).min + rank)
+        index = torch.topk(key, k, dim=-1).indices
+    else:
+        index = torch.zeros(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
     count = n_visible[None, :] if first is None else (n_visible[None, :] - first).clamp(min=0)
     valid = torch.arange(k, device=scores.device)[None, None, :] < count[..., None]  # [B|1, Tq, k]
     return index, valid.expand(scores.shape[0], -1, -1)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ced.model import (SourceKV, WindowKV, as_replay_starts, attend, select_entries,
+from ced.model import (SourceKV, WindowKV, as_replay_starts, attend, select_entries, entry_visibility, round_scores,
                        visible_entries, window_lower_bound)
 from conftest import TOL, tiny_config
 
@@ -56,6 +56,28 @@ def test_select_entries_top_k_lower_index_wins_ties(seed, n_queries, n_entries, 
             want = sorted(visible, key=lambda j: (-float(scores[b, q, j]), j))[:k]
             got = [int(index[b, q, s]) for s in range(index.shape[-1]) if valid[b, q, s]]
             assert got == want
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), n_queries=st.integers(1, 6), n_entries=st.integers(1, 40),
+       k=st.integers(1, 45), dtype=st.sampled_from([torch.float32, torch.float64]),
+       documents=st.booleans())
+def test_select_entries_equals_a_stable_sort_of_rounded_scores(seed, n_queries, n_entries, k,
+                                                               dtype, documents):
+    """The int64-key top-k gives slot for slot (padding slots included) what a stable sort of
+    the rounded scores gives, with a document mask and scores of any scale and sign."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 10.0 ** float(torch.randint(-6, 7, (), generator=gen))
+    scores = (torch.randn(2, n_queries, n_entries, generator=gen) * scale).to(dtype)
+    scores[..., ::3] = scores[..., :1].clone()   # exact ties
+    n_visible = torch.randint(0, n_entries + 1, (n_queries,), generator=gen)
+    first = (torch.randint(0, n_entries + 1, (2, n_queries), generator=gen) if documents
+             else None)
+    index, valid = select_entries(scores, n_visible, k, first)
+    visible = entry_visibility(n_entries, n_visible, first)
+    key = torch.where(visible, -(round_scores(scores, visible) + 0.0), torch.inf)
+    want = torch.sort(key.expand(2, -1, -1), dim=-1, stable=True).indices[..., :min(k, n_entries)]
+    assert torch.equal(index, want)
 
 
 def test_as_replay_starts_forms_and_errors():
