@@ -62,6 +62,9 @@ GLOBAL_READS = ("auto", "gather", "masked")
 # `attend`): the masked read is 4.7x faster than the gather at 8 entries per slot, level at 32,
 # and 4x slower at 64; so the gather remains for long caches and decode-like calls.
 MASKED_READ_MAX_RATIO = 32
+# CPU GEMMs ran up to 1.3x slower at a SwiGLU width such as 683 than at 688 (issue 10's
+# benchmark): the MLP runs its hidden width padded to a multiple of this (`executed_ff_dim`).
+FF_PAD = 16
 GlobalMode = Literal["full", "reindex", "reuse"]
 
 
@@ -477,6 +480,13 @@ def build_plan(c: ModelConfig) -> LayerPlan:
     return LayerPlan(tuple(layers), tuple(sources))
 
 
+def executed_ff_dim(c: ModelConfig) -> int:
+    """The SwiGLU hidden width CEDModel's MLP runs at: ff_dim padded up to a multiple of
+    FF_PAD with zero units that are not parameters (ced.model.MLP; a speed choice only, the
+    function is that of width ff_dim). The cost model's counting="executed" counts it."""
+    return c.ff_dim + (-c.ff_dim % FF_PAD)
+
+
 def global_read_is_masked(mode: str, n_queries: int, n_read: int, slots: int) -> bool:
     """Whether a block of `n_queries` queries reads its `slots` top-k entries (out of the first
     `n_read` entries, those visible to its last query) through the masked dense matmul rather
@@ -611,4 +621,4 @@ __all__ = ["ModelConfig", "UnmodelledParts", "LayerPlan", "LayerSpec", "SourceSp
            "group_sizes", "VariantTraits", "VARIANT_TRAITS", "VARIANTS",
            "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length",
            "replay_length", "resolve_replay", "is_window_form", "keep_from", "default_hidden_tail",
-           "global_read_is_masked", "GLOBAL_READS"]
+           "global_read_is_masked", "GLOBAL_READS", "executed_ff_dim", "FF_PAD"]

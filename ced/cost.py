@@ -21,8 +21,11 @@ not FLOPs here. Two countings of the attention-side terms:
     block's window logits span the block plus the W-1 earlier positions (a masked rectangle);
     a dense global read, and a top-k read that `global_read_is_masked` runs as a masked
     matmul, span the entries visible to the block's last query (a gathered top-k read: its k
-    slots per query); the lightning indexer of a Full/Reindex layer scores every entry the
-    source holds, visible or not.
+    slots per query); the lightning indexer of a Full/Reindex layer scores, per block, the
+    entries visible to the block's last query; the SwiGLU runs at its padded width
+    (`executed_ff_dim`). The attention terms are the reference kernel's matmuls
+    (`ced.model.attention_kernel("reference")`); the fused CPU kernel does the same products
+    per block, except that a plain causal read is one call whose upper blocks it skips.
     Tests hold this equal to FlopCounterMode on the real model, per inference mode.
   counting="causal": what an ideal kernel needs: each query scores only its own visible
     window keys (min(W, ...)), its own min(topk, visible) entries and indexes only visible
@@ -42,7 +45,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .config import (LayerSpec, ModelConfig, build_plan, default_hidden_tail,
+from .config import (LayerSpec, ModelConfig, build_plan, default_hidden_tail, executed_ff_dim,
                      exact_replay_length, global_read_is_masked, keep_from, paper_replay_length,
                      resolve_replay)
 from .storage import StorageFormat, parse_storage
@@ -410,6 +413,10 @@ class _Walk:
         cfg, b, t = self.cfg, self.batch, self.tally
         n = end - start
         flops = b * n * lc.token_flops
+        if self.counting == "executed" and "ffn" in lc.components and not (
+                cfg.unmodelled is not None and cfg.unmodelled.has_moe):
+            # the zero units of the padded SwiGLU width (ced.config.executed_ff_dim)
+            flops += b * n * 6 * cfg.d_model * (executed_ff_dim(cfg) - cfg.ff_dim)
         t.linear += flops
         src_index = self.fed_by.get(spec.index)
         before = t.total
@@ -444,7 +451,7 @@ class _Walk:
                         slots = min(cfg.topk, entries)
                         masked = global_read_is_masked(cfg.global_read, q, z // m, slots)
                         read = q * (z // m if masked else slots)
-                    scored = q * entries
+                    scored = q * min(entries, z // m)   # the entries visible to the block
                 else:
                     read = (_sum_visible_capped(a, z, m, cfg.topk) if cfg.topk is not None
                             else _sum_visible(a, z, m))

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import LayerSpec, ModelConfig, build_plan, global_read_is_masked, keep_from
+from .config import (LayerSpec, ModelConfig, build_plan, executed_ff_dim, global_read_is_masked,
+                     keep_from)
 from .quant import KVStorage, store
 
 # ---------------------------------------------------------------------------------------------
@@ -839,19 +840,17 @@ def _indexer_kl(global_probs: Tensor, selection: Selection, positions: Tensor,
 class MLP(nn.Module):
     """SwiGLU feed-forward.
 
-    The hidden width runs padded to a multiple of `PAD_HIDDEN` with zero units that are not
-    parameters: CPU GEMMs at a width such as 683 ran up to 1.3x slower than at 688
-    (benchmarks/peer.py's SwiGLU), and a zero unit adds exactly nothing (its gate and up rows
-    are 0, silu(0) * 0 = 0, and its down column is 0), so the function and the parameters are
-    those of the unpadded MLP."""
-
-    PAD_HIDDEN = 16
+    The hidden width runs padded to `ced.config.executed_ff_dim` (a multiple of FF_PAD) with
+    zero units that are not parameters: CPU GEMMs at a width such as 683 ran up to 1.3x slower
+    than at 688 (benchmarks/peer.py's SwiGLU), and a zero unit adds exactly nothing (its gate
+    and up rows are 0, silu(0) * 0 = 0, and its down column is 0), so the function and the
+    parameters are those of the unpadded MLP."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ff_dim, bias=False)   # one matmul
         self.down = nn.Linear(cfg.ff_dim, cfg.d_model, bias=False)
-        self.pad = -cfg.ff_dim % self.PAD_HIDDEN
+        self.pad = executed_ff_dim(cfg) - cfg.ff_dim
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up, down = self.gate_up.weight, self.down.weight
