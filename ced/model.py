@@ -478,11 +478,15 @@ class _FlashJointRead(torch.autograd.Function):
         return grad_q, grad_sink, None, None, None, *grad_kv
 
 
-def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
+def _fused_kernel_takes(q: Tensor) -> bool:
+    """Whether the fused kernel is chosen and can run for queries like q (CPU, its dtypes)."""
     return (_attention_kernel == "auto" and _FLASH_FORWARD is not None
-            and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
-            and all(not ks.gathered and ks.k.dtype == q.dtype and ks.v.dtype == q.dtype
-                    for ks in key_sets))
+            and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES)
+
+
+def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
+    return _fused_kernel_takes(q) and all(
+        not ks.gathered and ks.k.dtype == q.dtype and ks.v.dtype == q.dtype for ks in key_sets)
 
 
 def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of: int | None
@@ -530,8 +534,7 @@ def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
     no replay or document start, or a ratio-1 dense global read with no document mask. Such a
     call then runs as one block: per-block masks would make the kernel score every key it
     hides, about twice the work of its causal loop at long T."""
-    if not (_attention_kernel == "auto" and _FLASH_FORWARD is not None
-            and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES):
+    if not _fused_kernel_takes(q):
         return False
     n, start = len(query_positions), int(query_positions[0]) if len(query_positions) else -1
     if start != 0:
