@@ -374,6 +374,11 @@ def set_attention_kernel(name: str) -> str:
     return previous
 
 
+def current_attention_kernel() -> str:
+    """The kernel `attend` uses now ("auto" or "reference"), for run records."""
+    return _attention_kernel
+
+
 @contextmanager
 def attention_kernel(name: str):
     """`with attention_kernel("reference"): ...` runs the block with that kernel."""

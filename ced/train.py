@@ -694,8 +694,12 @@ def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dic
     run_id = trainer_state.get("wandb_run_id") or new_run_id()
     trainer_state["wandb_run_id"] = run_id
     # The effective precision and process count: the config may leave them to accelerate.
+    # The attention kernel is process state, not config (both kernels give the same result up
+    # to rounding, so it stays out of the config hashes), but it changes summation order.
+    from .model import current_attention_kernel
     config = {**_flat(asdict(cfg)), "accelerate.mixed_precision": accelerator.mixed_precision,
-              "accelerate.num_processes": accelerator.num_processes}
+              "accelerate.num_processes": accelerator.num_processes,
+              "attention_kernel": current_attention_kernel()}
     accelerator.init_trackers(log.project, config=config, init_kwargs={
         "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
                   "tags": list(log.tags), "name": log.name, "dir": str(run_dir),

@@ -53,6 +53,18 @@ def _pick_one_of(n: int, space: int) -> float:
     return 1.0 / n + (1.0 - 1.0 / n) / space
 
 
+def check_sep(family: str, sep: Any) -> str:
+    """`sep` (the separator between a key and its value) if it is at most 3 ASCII punctuation
+    characters other than '?', ";" and space, else a TaskParamError."""
+    if not (isinstance(sep, str) and len(sep) <= 3
+            and all(c.isascii() and c.isprintable() and not c.isalnum() and c not in " ?;"
+                    for c in sep)):
+        raise TaskParamError(family, "sep", f"must be a string of at most 3 ASCII punctuation "
+                             f"characters other than '?', ';' and space (\"\" for none), "
+                             f"got {sep!r}")
+    return sep
+
+
 # ---- kv_recall: families recall, short, boundary, multiturn ----------------------------------
 def chance_kv_recall(p: dict) -> float:
     """A random value among the n_pairs in the context (the key ignored)."""
@@ -160,11 +172,7 @@ def kv_recall(rng: random.Random, n_pairs: int = 4, key_len: int = 1, value_len:
     check_alphabet(f, "key_alphabet", key_alphabet)
     check_alphabet(f, "value_alphabet", value_alphabet)
     check_layout(f, distance, length, filler)
-    if not (isinstance(sep, str) and len(sep) <= 3
-            and all(c.isascii() and c.isprintable() and not c.isalnum() and c not in " ?"
-                    for c in sep)):
-        raise TaskParamError(f, "sep", f"must be a string of at most 3 ASCII punctuation "
-                             f"characters other than '?' (\"\" for none), got {sep!r}")
+    check_sep(f, sep)
     if n_pairs > len(key_alphabet) ** key_len:
         raise TaskParamError(f, "n_pairs", f"must be <= {len(key_alphabet) ** key_len} (distinct "
                              f"keys of key_len {key_len} from key_alphabet), got {n_pairs}")
@@ -231,6 +239,11 @@ def copy_span(rng: random.Random, span_len: int = 4, alphabet: str = UPPER + DIG
 
 
 # ---- variable_tracking: family multihop -----------------------------------------------------
+def _statement_width(sep: str) -> int:
+    """Tokens of one variable_tracking statement: variable, sep, value, `;`."""
+    return 3 + len(sep)
+
+
 def chance_variable_tracking(p: dict) -> float:
     """A random literal among the chains' literals (n_distractor_chains + 1 of them)."""
     return _pick_one_of(p["n_distractor_chains"] + 1, len(p["values"]))
@@ -240,8 +253,8 @@ def points_multihop(s: Any) -> list[Point]:
     """2 hops `spread` tokens apart, the literal placed so that 0 .. hops+1 chain statements
     lie before each replay start; also R_exact, R_exact + 1, 2 R_exact and W."""
     hops, spread = 2, s.multihop_spread
-    step = 4 + spread                  # statement k lies at distance d - k * step
     params = {"hops": hops, "n_distractor_chains": 1, "spread": spread}
+    step = _statement_width("") + spread     # statement k lies at distance d - k * step
     wanted = set()
     for n in s.replays:
         # j chain statements (literal first) beyond the replay start, j = 0 .. hops + 1
@@ -264,16 +277,22 @@ VARIABLE_TRACKING_SWEEPS = (
       sweeps=VARIABLE_TRACKING_SWEEPS)
 def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: int = 1,
                       names: str = UPPER, values: str = DIGITS, distance: Optional[int] = None,
-                      spread: Optional[int] = None, length: Optional[int] = None, filler: int = 32):
-    """Multi-hop variable binding (RULER's variable tracking): can the model follow `X=Y` links
-    back to a literal?
+                      spread: Optional[int] = None, length: Optional[int] = None, filler: int = 32,
+                      sep: str = ""):
+    """Multi-hop variable binding (RULER's variable tracking): can the model follow `XY` links
+    (X takes Y's value) back to a literal?
 
-    context: the statements of the queried chain `A=5;` `B=A;` `C=B;` and of
+    context: the statements of the queried chain `A5;` `BA;` `CB;` and of
     `n_distractor_chains` other chains of the same shape, interleaved (each chain in order)
-    with filler, then `?C=`; target `5`. E.g. "A=5;D=2;B=A;ko E=D;C=B;F=E;?C=" -> "5".
-    hops: `X=Y;` links from the literal to the queried variable (0: plain lookup `?A=`).
-    Names are single characters of `names`, all distinct; every statement is 4 tokens.
-    distance: distance of the chain's literal statement `A=5;`.
+    with filler, then `?C`; target `5`. E.g. "A5;D2;BA;ko ED;CB;FE;?C" -> "5".
+    The value follows its variable directly and the query ends with the variable, as in
+    kv_recall: each hop is then "the token after the earlier statement of what I just read".
+    `sep` goes between a variable and its value (sep="=" is this task's earlier format
+    "A=5;", "?C=", which no model this size learned even at hops 0: FINDINGS.md).
+    hops: links from the literal to the queried variable (0: plain lookup `?A`).
+    Names are single characters of `names`, all distinct; every statement is 3 + len(sep)
+    tokens.
+    distance: distance of the chain's literal statement `A5;`.
     spread: tokens between consecutive statements of the queried chain (end of one to start of
       the next; filled with distractor statements and filler); None: random. With both set,
       statement k of the chain lies at distance exactly `distance - k * (4 + spread)`, so an
@@ -287,6 +306,7 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
     check_alphabet(f, "values", values)
     check_int(f, "spread", spread, 0, optional=True)
     check_layout(f, distance, length, filler)
+    check_sep(f, sep)
     if n_chains * (hops + 1) > len(names):
         raise TaskParamError(f, "n_distractor_chains", f"needs (n_distractor_chains + 1) * "
                              f"(hops + 1) <= {len(names)} distinct names, got {n_distractor_chains}")
@@ -294,13 +314,13 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
     chains = []
     for c in range(n_chains):
         chain = variables[c * (hops + 1):(c + 1) * (hops + 1)]
-        chains.append([f"{chain[0]}={rng.choice(values)};"]
-                      + [f"{b}={a};" for a, b in zip(chain, chain[1:])])
+        chains.append([f"{chain[0]}{sep}{rng.choice(values)};"]
+                      + [f"{b}{sep}{a};" for a, b in zip(chain, chain[1:])])
     order = [c for c in range(1, n_chains) for _ in range(hops + 1)]
     rng.shuffle(order)                        # a random merge that keeps each chain in order
     others = [chains[c].pop(0) for c in order]
-    main, width = chains[0], 4
-    query = f"?{main[-1][0]}="
+    main, width = chains[0], _statement_width(sep)
+    query = f"?{main[-1][0]}{sep}"
 
     min_distance = (hops + 1) * width + hops * (spread or 0) + len(query)
     check_min_distance(f, distance, min_distance)
@@ -311,7 +331,8 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
         gaps = composition(rng, distance - min_distance, hops + 1)
     context, offsets = layout(rng, f, main, others, query, gaps, length, filler)
     chain_distances = [len(context) - o for o in offsets]
-    return context, main[0][2], {"distance": chain_distances[0], "chain_distances": chain_distances}
+    literal = main[0][1 + len(sep)]
+    return context, literal, {"distance": chain_distances[0], "chain_distances": chain_distances}
 
 
 RUNNING_KINDS = ("count", "parity", "bracket")

@@ -50,10 +50,10 @@ def solve_copy(ctx: str) -> str:
     return span
 
 
-def solve_variable_tracking(ctx: str) -> str:
-    body, var = re.fullmatch(r"(.*)\?(\w)=", ctx, re.S).groups()
+def solve_variable_tracking(ctx: str, sep: str = "") -> str:
+    body, var = re.fullmatch(rf"(.*)\?(\w){re.escape(sep)}", ctx, re.S).groups()
     env = {}
-    for name, value in re.findall(r"(\w)=(\w);", body):
+    for name, value in re.findall(rf"(\w){re.escape(sep)}(\w);", body):
         assert name not in env
         env[name] = value
     while not var.isdigit():
@@ -174,22 +174,27 @@ def test_distance_and_length_honoured(family):
         assert distance_of(ex, fact_of(ex)) == ex.meta["distance"]
 
 
-def test_variable_tracking_hops_at_controlled_distances():
+@pytest.mark.parametrize("sep", ["", "="])
+def test_variable_tracking_hops_at_controlled_distances(sep):
+    width = 3 + len(sep)                               # variable, sep, value, `;`
     for distance, spread, hops in [(120, 30, 2), (60, 0, 3), (300, 97, 2), (43, None, 4)]:
         for seed in range(10):
             ex = make_example("variable_tracking", seed, hops=hops, distance=distance,
-                              spread=spread, length=400, n_distractor_chains=2)
-            assert len(ex.prompt_ids) == 400 and solve_variable_tracking(ex.context) == ex.target
+                              spread=spread, length=400, n_distractor_chains=2, sep=sep)
+            assert len(ex.prompt_ids) == 400
+            assert solve_variable_tracking(ex.context, sep) == ex.target
+            assert ex.context.endswith(f"?{ex.context[-1 - len(sep)]}{sep}")
             # walk the queried chain back from the query, measuring each statement
-            var, measured = ex.context[-2], []
+            var, measured = ex.context[-1 - len(sep)], []
             for _ in range(hops + 1):
-                (stmt,) = re.findall(rf"{var}=\w;", ex.context)
+                (stmt,) = re.findall(rf"(?<![A-Z]){var}{re.escape(sep)}\w;", ex.context)
                 measured.append(distance_of(ex, re.escape(stmt)))
-                var = stmt[2]
+                var = stmt[1 + len(sep)]
             measured.reverse()                         # literal first
             assert measured == ex.meta["chain_distances"] and measured[0] == distance
+            assert var.isdigit() and var == ex.target
             if spread is not None:
-                assert measured == [distance - k * (4 + spread) for k in range(hops + 1)]
+                assert measured == [distance - k * (width + spread) for k in range(hops + 1)]
 
 
 def test_running_state_window_and_length():
