@@ -486,27 +486,36 @@ NEEDLE_SWEEPS = (Sweep("needle", "distance", points_needle,
 
 @task("needle", chance=chance_needle, sweeps=NEEDLE_SWEEPS)
 def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_digits: int = 4,
-           distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32):
+           distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32,
+           sep: str = ":"):
     """Needle in a haystack with same-template distractors: can the model find the one line
     whose multi-token id matches and copy its multi-token code?
 
-    context: lines `id 123 code 4567\\n` (the needle among `n_distractors` others with distinct
-    ids) in filler, then `?id 123 code `; target `4567`. Ids and codes are zero-padded
-    decimals; a line has 10 + id_digits + code_digits tokens; `distance` counts from its `i`.
+    context: lines `id 123:4567\\n` (the needle among `n_distractors` others with distinct
+    ids) in filler, then `?id 123:`; target `4567`. Ids and codes are zero-padded decimals; a
+    line has 4 + len(sep) + id_digits + code_digits tokens; `distance` counts from its `i`.
+    sep: the text between id and code. The default ":" ends the query with a token that only
+    ever precedes a code, as kv_recall's query ends with its key; sep=" code " is this task's
+    earlier format (`id 123 code 4567`), which the curriculum of conf/experiment/needle.yaml
+    taught one seed in two (FINDINGS.md 0.6).
     """
     f = "needle"
     n = check_int(f, "n_distractors", n_distractors, 0)
     check_int(f, "id_digits", id_digits, 1)
     check_int(f, "code_digits", code_digits, 1)
     check_layout(f, distance, length, filler)
+    if not (isinstance(sep, str) and 1 <= len(sep) <= 8 and sep[-1] not in DIGITS
+            and all(c.isascii() and c.isprintable() and c not in "?" + DIGITS for c in sep)):
+        raise TaskParamError(f, "sep", f"must be 1 to 8 printable ASCII characters without "
+                             f"digits or '?', got {sep!r}")
     if n + 1 > 10 ** id_digits:
         raise TaskParamError(f, "n_distractors", f"must be < {10 ** id_digits} (distinct ids of "
                              f"id_digits {id_digits}), got {n}")
     ids = [f"{i:0{id_digits}d}" for i in rng.sample(range(10 ** id_digits), n + 1)]
     codes = [f"{rng.randrange(10 ** code_digits):0{code_digits}d}" for _ in ids]
-    lines = [f"id {i} code {c}\n" for i, c in zip(ids, codes)]
+    lines = [f"id {i}{sep}{c}\n" for i, c in zip(ids, codes)]
     others = lines[1:]                          # ids are already in random order
-    query = f"?id {ids[0]} code "
+    query = f"?id {ids[0]}{sep}"
     check_min_distance(f, distance, len(lines[0]) + len(query))
     gap = None if distance is None else distance - len(lines[0]) - len(query)
     context, (offset,) = layout(rng, f, [lines[0]], others, query, [gap], length, filler)

@@ -74,9 +74,9 @@ def solve_running_state(ctx: str) -> str:
     return str(depth)
 
 
-def solve_needle(ctx: str) -> str:
-    body, ident = re.fullmatch(r"(.*)\?id (\d+) code ", ctx, re.S).groups()
-    codes = [c for i, c in re.findall(r"id (\d+) code (\d+)\n", body) if i == ident]
+def solve_needle(ctx: str, sep: str = ":") -> str:
+    body, ident = re.fullmatch(rf"(.*)\?id (\d+){re.escape(sep)}", ctx, re.S).groups()
+    codes = [c for i, c in re.findall(rf"id (\d+){re.escape(sep)}(\d+)\n", body) if i == ident]
     assert len(codes) == 1
     return codes[0]
 
@@ -153,13 +153,13 @@ def fact_of(ex) -> str:
         return rf"(?<![A-Za-z0-9]){key}{ex.target} "
     if ex.family == "copy":
         return f"<{ex.target}> "
-    ident = re.search(r"\?id (\d+) code $", ex.context).group(1)
-    return f"id {ident} code {ex.target}\n"
+    ident = re.search(r"\?id (\d+):$", ex.context).group(1)
+    return f"id {ident}:{ex.target}\n"
 
 
 @pytest.mark.parametrize("family", ["kv_recall", "copy", "needle"])
 def test_distance_and_length_honoured(family):
-    minimum = {"kv_recall": 5, "copy": 11, "needle": 30}[family]
+    minimum = {"kv_recall": 5, "copy": 11, "needle": 20}[family]
     for distance in (minimum, minimum + 1, 50, 257):
         for length in (None, 300, 600):
             for seed in range(8):
@@ -195,6 +195,19 @@ def test_variable_tracking_hops_at_controlled_distances(sep):
             assert var.isdigit() and var == ex.target
             if spread is not None:
                 assert measured == [distance - k * (width + spread) for k in range(hops + 1)]
+
+
+@pytest.mark.parametrize("sep", [" code ", ":", "=>"])
+def test_needle_sep_sets_the_text_between_id_and_code(sep):
+    for seed in range(20):
+        ex = make_example("needle", seed, n_distractors=5, sep=sep, distance=60, length=150)
+        assert ex.context.endswith(sep) and solve_needle(ex.context, sep) == ex.target
+        assert len(re.findall(rf"id \d{{3}}{re.escape(sep)}\d{{4}}\n", ex.context)) == 6
+        ident = re.search(r"\?id (\d+)", ex.context).group(1)
+        assert distance_of(ex, rf"id {ident}{re.escape(sep)}{ex.target}") == 60
+    for bad in ("", "1", "a?", 5):
+        with pytest.raises(ValueError, match="sep"):
+            make_example("needle", 0, sep=bad)
 
 
 def test_running_state_window_and_length():
