@@ -463,7 +463,7 @@ def chance_needle(p: dict) -> float:
 
 
 def points_needle(s: Any) -> list[Point]:
-    """More distractor lines than the top-k has slots (each line is 17 tokens, so the top-k
+    """More distractor lines than the top-k has slots (each line is 12 tokens, so the top-k
     cannot even read one token of every line): `settings.needle_distractors`, else top-k + 1,
     else 8. If they do not fit under the length cap, as many as fit are used (the document's
     params say how many)."""

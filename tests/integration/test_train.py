@@ -138,6 +138,9 @@ def test_wandb_offline_multirun_in_one_process(tmp_path):
         assert len(runs) == 1, list((sweep / job).rglob("*"))
         assert any(runs[0].glob("*.wandb")), list(runs[0].iterdir())
         assert len(metrics(sweep / job)) == 2
+        # the run's config records the attention kernel (process state, not a config key)
+        record = next(runs[0].glob("*.wandb")).read_bytes()
+        assert b"attention_kernel" in record
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
