@@ -37,7 +37,7 @@ from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, ato
                          read_json, remove_orphans, save_model)
 from .cli import fail as _fail
 from .data import ByteTokenizer, answer_accuracy, build_source
-from .model import CEDModel
+from .model import CEDModel, current_attention_kernel
 from .train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig, validate
 
 CHECKPOINTS = "checkpoints"
@@ -696,7 +696,6 @@ def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dic
     # The effective precision and process count: the config may leave them to accelerate.
     # The attention kernel is process state, not config (both kernels give the same result up
     # to rounding, so it stays out of the config hashes), but it changes summation order.
-    from .model import current_attention_kernel
     config = {**_flat(asdict(cfg)), "accelerate.mixed_precision": accelerator.mixed_precision,
               "accelerate.num_processes": accelerator.num_processes,
               "attention_kernel": current_attention_kernel()}

@@ -254,7 +254,8 @@ def points_multihop(s: Any) -> list[Point]:
     lie before each replay start; also R_exact, R_exact + 1, 2 R_exact and W."""
     hops, spread = 2, s.multihop_spread
     params = {"hops": hops, "n_distractor_chains": 1, "spread": spread}
-    step = _statement_width("") + spread     # statement k lies at distance d - k * step
+    sep = TASKS["variable_tracking"].defaults["sep"]     # the suite writes the default format
+    step = _statement_width(sep) + spread    # statement k lies at distance d - k * step
     wanted = set()
     for n in s.replays:
         # j chain statements (literal first) beyond the replay start, j = 0 .. hops + 1
@@ -295,7 +296,8 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
     distance: distance of the chain's literal statement `A5;`.
     spread: tokens between consecutive statements of the queried chain (end of one to start of
       the next; filled with distractor statements and filler); None: random. With both set,
-      statement k of the chain lies at distance exactly `distance - k * (4 + spread)`, so an
+      statement k of the chain lies at distance exactly
+      `distance - k * (3 + len(sep) + spread)`, so an
       evaluator can put any number of hops before or after a replay start.
     meta["chain_distances"]: measured distances of the chain's statements, literal first.
     """
@@ -463,10 +465,10 @@ def chance_needle(p: dict) -> float:
 
 
 def points_needle(s: Any) -> list[Point]:
-    """More distractor lines than the top-k has slots (each line is 12 tokens, so the top-k
-    cannot even read one token of every line): `settings.needle_distractors`, else top-k + 1,
-    else 8. If they do not fit under the length cap, as many as fit are used (the document's
-    params say how many)."""
+    """More distractor lines than the top-k has slots (each line is 12 tokens in the default
+    format, so the top-k cannot even read one token of every line):
+    `settings.needle_distractors`, else top-k + 1, else 8. If they do not fit under the length
+    cap, as many as fit are used (the document's params say how many)."""
     n = s.needle_distractors
     if n is None:
         n = s.topk + 1 if s.topk is not None else 8
@@ -496,8 +498,8 @@ def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_
     line has 4 + len(sep) + id_digits + code_digits tokens; `distance` counts from its `i`.
     sep: the text between id and code. The default ":" ends the query with a token that only
     ever precedes a code, as kv_recall's query ends with its key; sep=" code " is this task's
-    earlier format (`id 123 code 4567`), which the curriculum of conf/experiment/needle.yaml
-    taught one seed in two (FINDINGS.md 0.6).
+    earlier format (`id 123 code 4567`). Neither format is reliably learned yet (FINDINGS.md
+    0.6).
     """
     f = "needle"
     n = check_int(f, "n_distractors", n_distractors, 0)
