@@ -22,7 +22,10 @@ class DataConfig:
     tasks (synthetic): every registered task (ced.data.TASKS) takes part with its registered
       weight and defaults; an entry `<name>: {weight: float > 0, <generator params>}` overrides
       them, a null entry drops the task, and an entry under a new name with `family: <task>`
-      adds a task of its own (e.g. count: {family: running_state, kind: count}).
+      adds a task of its own (e.g. count: {family: running_state, kind: count}). An entry's
+      `from_row: R` (default 0) stages the task into training: rows before global row R
+      (step * batch_size + ...) draw none of it, later rows draw it by weight; validation rows
+      draw every task. A curriculum of stages, e.g. hops 0, then 1, then 2.
     only (synthetic): null (default): every task above; a list of names narrows to those, in
       that order (e.g. only: [kv_recall, count]).
     name, files, text_field, hf_split (hf): `datasets.load_dataset(name, data_files=files,

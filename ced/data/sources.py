@@ -12,7 +12,8 @@ Every row is a dict of four [count, seq_len] tensors:
   family_ids   LongTensor  index into `source.families` where answer_mask, else -1
 
 synthetic: a row packs whole examples BOS context target EOS, then PAD. The example count and
-  kinds come from random.Random(seed, split, r): family by weight, then an example seed. An
+  kinds come from random.Random(seed, split, r): family by weight (among the tasks whose
+  `from_row` <= r in the training split; every task in validation), then an example seed. An
   example that does not fit the rest of the row ends the row; one that does not fit an empty
   row is skipped (the first call for each seq_len checks that every task's examples fit).
 stdlib, hf: a window of seq_len + 1 tokens of the split's packed stream at an offset drawn from
@@ -78,17 +79,31 @@ class _RowSource:
 
 
 class SyntheticSource(_RowSource):
-    """Rows of packed synthetic examples. tasks: name -> (family, weight, params)."""
+    """Rows of packed synthetic examples. tasks: name -> (family, weight, params); from_rows:
+    name -> the first training row that draws the task (a curriculum of stages: a task absent
+    from it, or at 0, takes part from the start; validation rows draw every task)."""
 
     def __init__(self, tasks: dict[str, tuple[str, float, dict]], seed: int, split: str,
                  key: str = "data", curriculum_rows: int = 0,
-                 examples_per_row: Optional[int] = None):
+                 examples_per_row: Optional[int] = None,
+                 from_rows: Optional[dict[str, int]] = None):
         self.families = list(tasks)
         self.examples_per_row = examples_per_row
         self.tasks, self.seed, self.split, self.key = tasks, seed, split, key
         self.curriculum_rows = curriculum_rows if split == "train" else 0
         self._weights = [w for _, w, _ in tasks.values()]
+        starts = from_rows or {}
+        self._from_rows = [starts.get(n, 0) if split == "train" else 0 for n in self.families]
+        if min(self._from_rows) > 0:
+            raise ValueError(f"{key}.tasks: every task has from_row > 0, so row 0 has no task "
+                             f"to draw; let at least one start at row 0")
         self._fits: set[int] = set()
+
+    def _weights_at(self, r: int) -> list[float]:
+        """The draw weights of row r: a task before its from_row weighs 0."""
+        if not any(self._from_rows):
+            return self._weights
+        return [w if r >= start else 0.0 for w, start in zip(self._weights, self._from_rows)]
 
     def _check_fits(self, seq_len: int) -> None:
         for name, (family, _, params) in self.tasks.items():
@@ -117,8 +132,9 @@ class SyntheticSource(_RowSource):
         mask = torch.zeros(seq_len, dtype=torch.bool)
         fams = torch.full((seq_len,), -1, dtype=torch.long)
         placed = 0
+        weights = self._weights_at(r)
         for attempt in range(1000):
-            t = rng.choices(range(len(self.families)), weights=self._weights)[0]
+            t = rng.choices(range(len(self.families)), weights=weights)[0]
             family, _, params = self.tasks[self.families[t]]
             ex = make_example(family, rng.getrandbits(64), **self._params_at(family, params, r))
             prompt, answer = ex.prompt_ids, ex.answer_ids
@@ -194,7 +210,7 @@ def parse_tasks(tasks: Any, key: str, only: Any = None) -> dict[str, tuple[str, 
     example. Every registered task takes part with its registered weight and defaults, in
     registration order, then the extra names `tasks` defines (`family: <task>`); an entry of
     `tasks` overrides its weight and params, null drops it; `only` narrows to the listed
-    names, in that order."""
+    names, in that order. An entry's `from_row` is not a generator param: see task_from_rows."""
     tasks = plain(tasks)
     if tasks is None:
         tasks = {}
@@ -234,6 +250,7 @@ def _task_spec(name: Any, spec: Any, key: str) -> tuple[str, float, dict]:
         raise ValueError(f"{key}.{name} must be a mapping {{weight: 1.0, <params>}} or null, "
                          f"got {spec!r}")
     params = dict(spec)
+    params.pop("from_row", None)                # the source's schedule: task_from_rows
     family = params.pop("family", name)
     if family not in TASKS:
         where = f"{key}.{name}.family" if "family" in spec else f"{key}.{name}"
@@ -244,6 +261,17 @@ def _task_spec(name: Any, spec: Any, key: str) -> tuple[str, float, dict]:
     except TaskParamError as e:
         raise ValueError(f"{key}.{name}.{e.param} {e.message}") from None
     return family, weight, params
+
+
+def task_from_rows(tasks: Any, key: str) -> dict[str, int]:
+    """data.tasks.<name>.from_row (default 0), checked: the first training row that draws the
+    task. Rows are global (step * batch_size + ...), so a task joins at step from_row /
+    batch_size whatever the process count."""
+    out = {}
+    for name, spec in (plain(tasks) or {}).items():
+        if isinstance(spec, dict) and "from_row" in spec:
+            out[str(name)] = check_int(f"{key}.{name}.from_row", spec["from_row"], 0)
+    return out
 
 
 def build_source(cfg: Any, split: str) -> SequenceSource:
@@ -266,7 +294,8 @@ def _build(c: dict[str, Any], split: str, key: str) -> _RowSource:
         if per_row is not None:
             per_row = check_int(f"{key}.examples_per_row", per_row, 1)
         return SyntheticSource(parse_tasks(c["tasks"], f"{key}.tasks", c["only"]), seed, split,
-                               key, curriculum, per_row)
+                               key, curriculum, per_row,
+                               task_from_rows(c["tasks"], f"{key}.tasks"))
 
     if kind == "mixture":
         comps = plain(c["mixture"])

@@ -623,6 +623,51 @@ def test_curriculum_ramps_filler_on_training_rows_only():
         build_source({"kind": "synthetic", "curriculum_rows": -1}, "train")
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("start", [1, 37, 200])
+def test_from_row_stages_a_task_into_training_rows(seed, start):
+    """data.tasks.<name>.from_row: training rows before `start` draw none of that task, rows
+    from it on draw it with its weight; validation rows draw every task from row 0; rows before
+    `start` are the rows of the source without the late task (same random draws, so adding a
+    stage does not change the early curriculum); without from_row rows are unchanged."""
+    early = {"kv_recall": {"filler": 8}, "copy": {"filler": 8}}
+    staged_tasks = {**early, "copy": {"filler": 8, "from_row": start}}
+    cfg = {"kind": "synthetic", "seed": seed, "only": ["kv_recall", "copy"]}
+    staged = build_source({**cfg, "tasks": staged_tasks}, "train")
+    both = build_source({**cfg, "tasks": early}, "train")
+    copy_id = staged.families.index("copy")
+
+    before = staged.rows(0, start, 128)["family_ids"]
+    assert not (before == copy_id).any()
+    after = staged.rows(start, 200, 128)["family_ids"]
+    copies = (after == copy_id).any(dim=1).float().mean().item()
+    assert 0.6 < copies <= 1.0        # equal weights, several examples a row: most rows hold one
+    # From `start` on, the staged source is the unstaged one row for row.
+    assert torch.equal(after, both.rows(start, 200, 128)["family_ids"])
+    val = build_source({**cfg, "tasks": staged_tasks}, "validation").rows(0, 20, 128)
+    assert torch.equal(val["input_ids"],
+                       build_source({**cfg, "tasks": early}, "validation").rows(0, 20, 128)[
+                           "input_ids"])
+    # Before `start`, the rows are those of kv_recall alone: a zero weight draws nothing.
+    alone = build_source({**cfg, "only": ["kv_recall", "copy"],
+                          "tasks": {**early, "copy": {"filler": 8, "weight": 1e-300}}}, "train")
+    assert torch.equal(before, alone.rows(0, start, 128)["family_ids"])
+
+
+def test_from_row_errors_name_the_key():
+    """A bad from_row names data.tasks.<name>.from_row; a schedule whose row 0 has no task is
+    refused (validation alone would accept it, so the training split says why)."""
+    with pytest.raises(ValueError, match=r"data\.tasks\.copy\.from_row must be an integer >= 0"):
+        build_source({"kind": "synthetic", "tasks": {"copy": {"from_row": -3}}}, "train")
+    with pytest.raises(ValueError, match=r"data\.tasks\.copy\.from_row"):
+        build_source({"kind": "synthetic", "tasks": {"copy": {"from_row": 1.5}}}, "train")
+    with pytest.raises(ValueError, match="every task has from_row > 0"):
+        build_source({"kind": "synthetic", "only": ["copy"],
+                      "tasks": {"copy": {"from_row": 4}}}, "train")
+    build_source({"kind": "synthetic", "only": ["copy"],
+                  "tasks": {"copy": {"from_row": 4}}}, "validation")
+
+
 @pytest.mark.parametrize("per_row", [1, 2])
 def test_examples_per_row_caps_the_packing(per_row):
     """data.examples_per_row: at most that many examples (BOS tokens) per row, the rest padding;
