@@ -627,9 +627,11 @@ def test_curriculum_ramps_filler_on_training_rows_only():
 @pytest.mark.parametrize("start", [1, 37, 200])
 def test_from_row_stages_a_task_into_training_rows(seed, start):
     """data.tasks.<name>.from_row: training rows before `start` draw none of that task, rows
-    from it on draw it with its weight; validation rows draw every task from row 0; rows before
-    `start` are the rows of the source without the late task (same random draws, so adding a
-    stage does not change the early curriculum); without from_row rows are unchanged."""
+    from it on draw it with its weight (row for row the rows of the unstaged source);
+    validation rows draw every task from row 0; rows before `start` are those of a source
+    whose late task has a vanishing weight (the same random draws: a stage does not reshuffle
+    the early curriculum). Rows without from_row stay as they were: test_registry's golden
+    row hashes."""
     early = {"kv_recall": {"filler": 8}, "copy": {"filler": 8}}
     staged_tasks = {**early, "copy": {"filler": 8, "from_row": start}}
     cfg = {"kind": "synthetic", "seed": seed, "only": ["kv_recall", "copy"]}
