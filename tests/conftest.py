@@ -112,3 +112,16 @@ def configs(draw, variants=("dense", "swa", "yoco", "ced")) -> ModelConfig:
         indexer_dim=4, attention_sink=draw(st.booleans()),
         attention_block=draw(st.sampled_from([1, 3, 128])),
         shift_tokens=draw(st.sampled_from([0, 0, 1, 3])), max_seq_len=128)
+
+
+# The files whose tests train models take minutes; pytest-xdist (--dist loadfile) hands files
+# to its workers in collection order, so when these come last one worker runs them alone while
+# the other idles. Collected first, the short files fill in behind them (longest first: the
+# 10-minute CI budget on 2 cores). Estimated seconds beside another worker, measured 2026-12-03.
+SLOW_FILES = {"test_train.py": 170, "test_recipe_recall.py": 130, "test_demo.py": 110,
+              "test_sweeps.py": 85, "test_recipe.py": 50, "test_run_safety.py": 45,
+              "test_invariants.py": 45, "test_lm_eval.py": 40, "test_eval_args.py": 30}
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -SLOW_FILES.get(item.path.name, 0))   # stable: order kept within

@@ -83,6 +83,28 @@ def test_report_has_every_section_and_embedded_plots(tiny_study):
     assert "prefill_flops" in cost and "replay=exact" in cost
 
 
+def test_notebook_executes_on_the_study_outputs(tiny_study, tmp_path, monkeypatch):
+    """notebooks/analysis.ipynb runs on a study's outputs without errors and draws its plots
+    (the study has a failed job, which the notebook must pass over)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    study, _ = tiny_study
+    figures = tmp_path / "figures"
+    monkeypatch.setenv("CED_STUDY_DIR", str(study))
+    monkeypatch.setenv("CED_NOTEBOOK_OUT", str(figures))
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
+                                     resources={"metadata": {"path": str(ROOT / "notebooks")}})
+    client.execute()           # raises CellExecutionError on any error
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 4
+    names = {p.stem for p in figures.glob("*.png")}
+    assert {"training_curves", "divergence_vs_N", "cost_quality_frontier"} <= names
+    assert any(n.startswith("accuracy_") for n in names)
+
+
 def test_rerun_skips_what_is_done(tiny_study):
     out, _ = tiny_study
     metrics = out / "runs" / "ced" / "seed0" / "metrics.jsonl"

@@ -5,6 +5,7 @@ learning tests run on different pytest-xdist workers."""
 
 from __future__ import annotations
 
+import pytest
 from test_recipe import final_metrics, run_train
 
 # Associative recall through ced's global reads (FINDINGS.md 0.4): MQAR-style kv_recall (8 pairs,
@@ -23,9 +24,21 @@ RECALL = ["model=ced", "model.topk=16", "model.d_model=128", "model.n_heads=4",
           "train.loss_on=answers", "train.document_mask=true"]
 
 
+HELD = ("optim.encoder_hold_steps=120", "optim.encoder_ramp_steps=40")
+
+
 def test_a_held_encoder_lets_ced_learn_associative_recall(tmp_path):
-    run_train(tmp_path / "held", "optim.encoder_hold_steps=120", "optim.encoder_ramp_steps=40",
-              base=RECALL)
+    run_train(tmp_path / "held", *HELD, base=RECALL)
+    held = final_metrics(tmp_path / "held")
+    assert held["val/acc/kv_recall"] >= 0.8, held
+
+
+# The control doubles the test's time, so CI runs the held run alone (the CI budget is 10
+# minutes on 2 cores; `make test-slow` runs this). 150 steps with hold 90 / ramp 30 is not
+# enough for the held run (measured 0.42 and 0.46 on seeds 0 and 1), so the budget stays 200.
+@pytest.mark.slow
+def test_without_the_hold_the_same_budget_does_not_learn_recall(tmp_path):
+    run_train(tmp_path / "held", *HELD, base=RECALL)
     run_train(tmp_path / "free", base=RECALL)
     held, free = final_metrics(tmp_path / "held"), final_metrics(tmp_path / "free")
     assert held["val/acc/kv_recall"] >= 0.8, held
