@@ -489,7 +489,7 @@ NEEDLE_SWEEPS = (Sweep("needle", "distance", points_needle,
 @task("needle", chance=chance_needle, sweeps=NEEDLE_SWEEPS)
 def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_digits: int = 4,
            distance: Optional[int] = None, length: Optional[int] = None, filler: int = 32,
-           sep: str = ":"):
+           sep: str = ":", near_misses: int = 0):
     """Needle in a haystack with same-template distractors: can the model find the one line
     whose multi-token id matches and copy its multi-token code?
 
@@ -498,8 +498,11 @@ def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_
     line has 4 + len(sep) + id_digits + code_digits tokens; `distance` counts from its `i`.
     sep: the text between id and code. The default ":" ends the query with a token that only
     ever precedes a code, as kv_recall's query ends with its key; sep=" code " is this task's
-    earlier format (`id 123 code 4567`). Neither format is reliably learned yet (FINDINGS.md
-    0.6).
+    earlier format (`id 123 code 4567`).
+    near_misses: how many of the distractors get an id one digit away from the needle's (the
+    digit's position uniform), the others stay uniform. With uniform ids a model that matches
+    only the id's last digits (the query `:` sees the last two through shift_tokens 2) is
+    rarely caught; near misses make every digit of the id count (FINDINGS.md "Needle").
     """
     f = "needle"
     n = check_int(f, "n_distractors", n_distractors, 0)
@@ -513,7 +516,23 @@ def needle(rng: random.Random, n_distractors: int = 3, id_digits: int = 3, code_
     if n + 1 > 10 ** id_digits:
         raise TaskParamError(f, "n_distractors", f"must be < {10 ** id_digits} (distinct ids of "
                              f"id_digits {id_digits}), got {n}")
-    ids = [f"{i:0{id_digits}d}" for i in rng.sample(range(10 ** id_digits), n + 1)]
+    near = check_int(f, "near_misses", near_misses, 0)
+    if near > min(n, 9 * id_digits):
+        raise TaskParamError(f, "near_misses", f"must be <= n_distractors ({n}) and <= 9 * "
+                             f"id_digits ({9 * id_digits}, the ids one digit away), got {near}")
+    if near == 0:     # the original draw, kept so that earlier data stays the same bit for bit
+        ids = [f"{i:0{id_digits}d}" for i in rng.sample(range(10 ** id_digits), n + 1)]
+    else:
+        ids = [f"{rng.randrange(10 ** id_digits):0{id_digits}d}"]
+        ids += rng.sample([ids[0][:k] + d + ids[0][k + 1:] for k in range(id_digits)
+                           for d in DIGITS if d != ids[0][k]], near)
+        while len(ids) < n + 1:
+            candidate = f"{rng.randrange(10 ** id_digits):0{id_digits}d}"
+            if candidate not in ids:
+                ids.append(candidate)
+        others = ids[1:]
+        rng.shuffle(others)             # near misses anywhere among the lines
+        ids = ids[:1] + others
     codes = [f"{rng.randrange(10 ** code_digits):0{code_digits}d}" for _ in ids]
     lines = [f"id {i}{sep}{c}\n" for i, c in zip(ids, codes)]
     others = lines[1:]                          # ids are already in random order

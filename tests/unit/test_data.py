@@ -210,6 +210,35 @@ def test_needle_sep_sets_the_text_between_id_and_code(sep):
             make_example("needle", 0, sep=bad)
 
 
+@pytest.mark.parametrize("id_digits", [2, 3, 4])
+def test_needle_near_misses_differ_from_the_needle_id_in_one_digit(id_digits):
+    """near_misses distractor ids sit one digit from the needle's, the rest stay uniform, ids
+    stay distinct, the answer stays unique, and the near misses' digit positions vary."""
+    positions = set()
+    for seed in range(40):
+        ex = make_example("needle", seed, n_distractors=8, id_digits=id_digits, near_misses=4)
+        assert solve_needle(ex.context) == ex.target
+        ident = re.search(r"\?id (\d+):$", ex.context).group(1)
+        ids = [i for i, _ in re.findall(rf"id (\d{{{id_digits}}}):(\d{{4}})\n", ex.context)]
+        assert len(ids) == 9 and len(set(ids)) == 9 and ident in ids
+        dist = [sum(a != b for a, b in zip(i, ident)) for i in ids if i != ident]
+        assert dist.count(1) >= 4 and 0 not in dist
+        positions |= {k for i in ids for k in range(id_digits)
+                      if sum(a != b for a, b in zip(i, ident)) == 1 and i[k] != ident[k]}
+    assert positions == set(range(id_digits))
+
+
+def test_needle_near_misses_default_keeps_the_data_and_bad_values_name_the_key():
+    for seed in range(20):
+        a, b = make_example("needle", seed, near_misses=0), make_example("needle", seed)
+        assert (a.context, a.target) == (b.context, b.target)
+    for bad in (-1, 4, 1.5):
+        with pytest.raises(ValueError, match="near_misses"):
+            make_example("needle", 0, n_distractors=3, near_misses=bad)
+    with pytest.raises(ValueError, match=r"near_misses.*9 \* id_digits"):
+        make_example("needle", 0, n_distractors=12, id_digits=2, near_misses=19)
+
+
 def test_running_state_window_and_length():
     for seed in range(20):
         ex = make_example("running_state", seed, kind="parity", window_len=5, length=30)
