@@ -23,6 +23,11 @@ writes into --out:
   override_drop.csv     runs with evaluation-time overrides (`@topk=K`, `@kv=SPEC`), every
                         mode against the unmodified model's `full` on the same examples
                         (`reference_drop_table`); only when the study has such runs
+  needle_ids.csv        needle family only: `full` accuracy by how far the needle's id is
+                        from the nearest other line's (`shared_suffix`: the longest id suffix
+                        another line shares; `one_digit_away`: whether a line's id differs in
+                        one digit), pooled over seeds (Wilson CI) and per seed, and what the
+                        wrong answers are (one wrong digit, another line's code)
   answer_kl.csv         per job x family x mode: KL(full || mode) at the suite's answers
                         (teacher-forced, summed over the answer's tokens), mean over examples
                         and seeds with a bootstrap 95% CI, each seed's mean
@@ -286,6 +291,79 @@ def answer_kl_table(results: pd.DataFrame, seed: int = 0,
     return _sorted(pd.DataFrame(rows), keys=("job", "family"))
 
 
+def needle_id_features(context: str, sep: str = ":") -> dict:
+    """How close a needle document's distractor ids come to the queried one (the needle task's
+    format, ced.data.tasks.needle: lines `id <id><sep><code>` and the query `?id <id><sep>` at
+    the end): `shared_suffix`, the most trailing digits of the queried id that one other line's
+    id shares (0 ... id_digits - 1); `one_digit_away`, whether some other id differs from it in
+    exactly one digit; `codes`, the other lines' codes."""
+    esc = re.escape(sep)
+    query = re.search(rf"\?id (\d+){esc}$", context)
+    if query is None:
+        raise ValueError(f"not a needle document (no `?id <digits>{sep}` at its end): "
+                         f"{context[-40:]!r}")
+    ident = query.group(1)
+    others = [(i, c) for i, c in re.findall(rf"id (\d+){esc}(\d+)\n", context[:query.start()])
+              if i != ident]
+
+    def suffix(other: str) -> int:
+        n = 0
+        while n < len(ident) and other[len(other) - 1 - n] == ident[len(ident) - 1 - n]:
+            n += 1
+        return n
+    return {"shared_suffix": max((suffix(i) for i, _ in others), default=0),
+            "one_digit_away": any(sum(a != b for a, b in zip(i, ident)) == 1 for i, _ in others),
+            "codes": [c for _, c in others]}
+
+
+def _load_needle_documents(study: Path) -> pd.DataFrame:
+    """run, id and needle_id_features of every needle document a study's suite evaluated."""
+    rows = []
+    for path in sorted((study / "suite").glob("*/seed*/data/needle.jsonl")):
+        run = f"{path.parent.parent.parent.name}/{path.parent.parent.name}"
+        for line in path.read_text().splitlines():
+            doc = json.loads(line)
+            rows.append({"run": run, "id": doc["id"],
+                         **needle_id_features(doc["context"], doc["params"].get("sep", ":"))})
+    return pd.DataFrame(rows)
+
+
+def needle_id_table(results: pd.DataFrame, documents: pd.DataFrame) -> pd.DataFrame:
+    """`full` accuracy on the needle family by the nearest distractor id (see module doc):
+    per job x slice, where slice is `shared_suffix=K`, `one_digit_away=True|False` or `all`,
+    with columns n, accuracy, Wilson CI, per_seed accuracy, wrong (count), one_wrong_digit and
+    other_line_code (the share of wrong answers with exactly one wrong digit of the right
+    length, and the share that are another line's code). Empty without needle results."""
+    full = results[(results["family"] == "needle") & (results["mode"] == FULL)]
+    if full.empty or documents.empty:
+        return pd.DataFrame()
+    full = full.merge(documents, on=["run", "id"], how="inner")
+    target, prediction = full["target"].astype(str), full["prediction"].astype(str)
+    full = full.assign(
+        one_wrong_digit=[len(t) == len(p) and sum(a != b for a, b in zip(t, p)) == 1
+                         for t, p in zip(target, prediction)],
+        other_line_code=[p in codes for p, codes in zip(prediction, full["codes"])])
+    rows = []
+    slices = [("all", full)]
+    slices += [(f"shared_suffix={k}", part) for k, part in full.groupby("shared_suffix")]
+    slices += [(f"one_digit_away={k}", part) for k, part in full.groupby("one_digit_away")]
+    for label, part in slices:
+        for job, cell in part.groupby("job", sort=True):
+            correct, n = int(cell["correct"].sum()), len(cell)
+            low, high = wilson_interval(correct, n)
+            wrong = cell[~cell["correct"]]
+            per_seed = cell.groupby("train_seed")["correct"].mean()
+            rows.append({"job": job, "slice": label, "n": n, "accuracy": correct / n,
+                         "ci_low": low, "ci_high": high,
+                         "per_seed": " ".join(f"{v:.3f}" for v in per_seed.values),
+                         "wrong": len(wrong),
+                         "one_wrong_digit": wrong["one_wrong_digit"].mean() if len(wrong)
+                         else math.nan,
+                         "other_line_code": wrong["other_line_code"].mean() if len(wrong)
+                         else math.nan})
+    return pd.DataFrame(rows).sort_values(["job"], kind="stable").reset_index(drop=True)
+
+
 def _checkpoint_label(path: str) -> tuple[str, int | None]:
     """(job, training seed) of a checkpoint path `.../runs/<job>/seed<k>/final`."""
     parts = Path(str(path)).parts
@@ -396,11 +474,13 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     divergence = divergence_table(study)
     answer_kl = answer_kl_table(results)
     against_base = reference_drop_table(results, alpha)
+    needle_ids = needle_id_table(results, _load_needle_documents(study))
     written = {}
     for name, table in (("accuracy", accuracy), ("capability_drop", drops),
                         ("competence", competence), ("divergence", divergence),
-                        ("answer_kl", answer_kl), ("override_drop", against_base)):
-        if name == "override_drop" and table.empty:
+                        ("answer_kl", answer_kl), ("override_drop", against_base),
+                        ("needle_ids", needle_ids)):
+        if name in ("override_drop", "needle_ids") and table.empty:
             continue
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
@@ -442,6 +522,12 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
               _markdown(against_base[against_base["x"] == "all"],
                         ["job", "family", "mode", "n", "acc_full", "acc_mode", "difference",
                          "ci_low", "ci_high", "p_value", "agree", "per_seed_difference"])]),
+          *([] if needle_ids.empty else [
+              "## Needle: `full` accuracy by the nearest distractor id, and what the wrong "
+              "answers are", "",
+              _markdown(needle_ids, ["job", "slice", "n", "accuracy", "ci_low", "ci_high",
+                                     "per_seed", "wrong", "one_wrong_digit",
+                                     "other_line_code"])]),
           "## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
           "examples and seeds, bootstrap 95% CI)", "",
           _markdown(answer_kl, ["job", "family", "mode", "n", "mean", "ci_low", "ci_high",

@@ -161,3 +161,60 @@ def test_overrides_are_paired_with_the_unmodified_models_full_run():
     rep = table[(table["mode"] == "replay=4") & (table["x"] == "all")].iloc[0]
     assert (rep["full_only"], rep["mode_only"]) == (7, 1)
     assert reference_drop_table(base).empty
+
+
+def test_needle_id_features_on_generated_documents():
+    """shared_suffix and one_digit_away, checked against a brute-force reading of the ids on
+    generated needle documents (uniform ids and near misses), and a clear error otherwise."""
+    import re
+    from ced.data import make_example
+    from evals.findings import needle_id_features
+    seen = set()
+    for seed in range(60):
+        for near in (0, 2):
+            ex = make_example("needle", seed, n_distractors=9, near_misses=near)
+            got = needle_id_features(ex.context)
+            ident = ex.context.rsplit("?id ", 1)[1][:-1]
+            ids = [i for i, _ in re.findall(r"id (\d{3}):(\d{4})\n", ex.context) if i != ident]
+            assert len(ids) == 9 and len(got["codes"]) == 9
+            suffixes = [next(k for k in (2, 1, 0) if i[3 - k:] == ident[3 - k:]) for i in ids]
+            assert got["shared_suffix"] == max(suffixes)
+            assert got["one_digit_away"] == any(sum(a != b for a, b in zip(i, ident)) == 1
+                                                for i in ids)
+            assert got["one_digit_away"] or near == 0
+            seen.add(got["shared_suffix"])
+    assert seen == {0, 1, 2}
+    with pytest.raises(ValueError, match="not a needle document"):
+        needle_id_features("id 123:4567\n?id 12")
+
+
+def test_needle_id_table_slices_accuracy_and_reads_the_wrong_answers():
+    from evals.findings import needle_id_table
+    docs = pd.DataFrame([
+        {"run": "ced/seed0", "id": "a", "shared_suffix": 2, "one_digit_away": True,
+         "codes": ["1111"]},
+        {"run": "ced/seed0", "id": "b", "shared_suffix": 0, "one_digit_away": False,
+         "codes": ["2222"]},
+        {"run": "ced/seed1", "id": "a", "shared_suffix": 2, "one_digit_away": True,
+         "codes": ["1111"]},
+        {"run": "ced/seed1", "id": "b", "shared_suffix": 0, "one_digit_away": False,
+         "codes": ["2222"]}])
+    rows = []
+    for seed, preds in ((0, {"a": "1234", "b": "1234"}), (1, {"a": "1111", "b": "1235"})):
+        for doc_id, pred in preds.items():
+            for mode in ("full", "replay=1"):
+                rows.append({"run": f"ced/seed{seed}", "id": doc_id, "job": "ced",
+                             "train_seed": seed, "family": "needle", "mode": mode,
+                             "target": "1234", "prediction": pred,
+                             "correct": pred == "1234"})
+    table = needle_id_table(pd.DataFrame(rows), docs).set_index("slice")
+    assert table.loc["all", "n"] == 4 and table.loc["all", "accuracy"] == 0.5   # full only
+    assert table.loc["all", "per_seed"] == "1.000 0.000"
+    assert table.loc["all", "wrong"] == 2
+    assert table.loc["all", "one_wrong_digit"] == 0.5         # 1235 yes, 1111 no
+    assert table.loc["all", "other_line_code"] == 0.5         # 1111 is line a's other code
+    assert table.loc["shared_suffix=2", "accuracy"] == 0.5
+    assert table.loc["one_digit_away=False", "accuracy"] == 0.5
+    low, high = wilson_interval(2, 4)
+    assert (table.loc["all", "ci_low"], table.loc["all", "ci_high"]) == (low, high)
+    assert needle_id_table(pd.DataFrame(rows).assign(family="recall"), docs).empty
