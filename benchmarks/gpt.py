@@ -82,6 +82,19 @@ class GPT(nn.Module):
                                                                            "out.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
+    def forward_flops(self, seq_len: int, counting: str = "causal") -> int:
+        """Matrix-multiply FLOPs (2 per multiply-add, as ced.cost counts) of forward() on one
+        sequence of seq_len tokens: the projections, MLPs and LM head, plus attention's QK and
+        PV products over the keys each query sees (`causal`: T (T + 1) / 2 pairs per layer and
+        head, what the fused causal kernel needs) or over the whole T x T `rectangle` (what
+        SDPA's math backend multiplies, so FlopCounterMode can check it)."""
+        if counting not in ("causal", "rectangle"):
+            raise ValueError(f"counting must be causal or rectangle, got {counting!r}")
+        d, t, cfg = self.cfg.d_model, seq_len, self.cfg
+        per_token = cfg.n_layers * (3 * d * d + d * d + 2 * 4 * d * d) + d * cfg.vocab_size
+        pairs = t * (t + 1) // 2 if counting == "causal" else t * t
+        return 2 * t * per_token + cfg.n_layers * 2 * 2 * d * pairs
+
     def forward(self, ids: Tensor) -> Tensor:
         """ids [B, T] -> logits [B, T, V]."""
         t = ids.shape[1]

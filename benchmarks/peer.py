@@ -9,7 +9,9 @@ One figure = one AdamW training step (forward, backward, update) in one process.
 take turns step by step (interleaved, so a change in machine load hits all of them alike);
 after the warm-up rounds the median of `--steps` rounds is reported as tokens/s, and the ratio
 to the GPT as the median over rounds of the paired ratio (GPT step time / model step time in
-the same round; the JSON also keeps the ratio of the two medians). Targets (issue 10): ced, dense and yoco >= 1.0x the GPT at both shapes; swa >= 1.3x
+the same round; the JSON also keeps the ratio of the two medians). Beside it, the analytic
+matmul FLOPs of each model's forward (ced.cost; the GPT's own count), so the table says how
+much of a ratio is work the model does and how much is the rate it does it at. Targets (issue 10): ced, dense and yoco >= 1.0x the GPT at both shapes; swa >= 1.3x
 at T = 2048.
 
     python benchmarks/peer.py                       # both shapes, fp32, torch's threads
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
 from ced import CEDModel, ModelConfig  # noqa: E402
+from ced.cost import forward_flops  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 VARIANTS = ("dense", "swa", "yoco", "ced")
@@ -103,6 +106,18 @@ def bench_shape(batch: int, length: int, names: list[str], steps: int, warmup: i
         median = statistics.median(times[name])
         out[name] = {"params": params[name], "times_s": times[name], "median_s": median,
                      "tokens_per_s": tokens / median}
+    for name, model in models.items():
+        # Matmul FLOPs of the forward (the backward is about twice that for every model alike,
+        # so the ratios hold for the step): `ideal` needs only the keys and entries a query
+        # sees (ced.cost counting "causal"), `executed` is what the model's kernels multiply
+        # (ced.cost "executed": window rectangles per query block, a top-k read run as a masked
+        # matmul over every visible entry; the GPT's fused causal kernel: its causal pairs).
+        if name == "gpt":
+            ideal = executed = model.forward_flops(length)
+        else:
+            ideal = forward_flops(model.cfg, length, counting="causal").total
+            executed = forward_flops(model.cfg, length, counting="executed").total
+        out[name].update(flops_ideal=batch * ideal, flops_executed=batch * executed)
     for name in names:
         # Each round's step time of the GPT over the model's, paired by round, then the
         # median: on a shared 2-core machine whole rounds run 20-30% slow or fast together,
@@ -110,6 +125,12 @@ def bench_shape(batch: int, length: int, names: list[str], steps: int, warmup: i
         paired = [g / t for g, t in zip(times["gpt"], times[name])]
         out[name]["ratio_to_gpt"] = statistics.median(paired)
         out[name]["ratio_of_medians"] = out[name]["tokens_per_s"] / out["gpt"]["tokens_per_s"]
+        # GPT / model FLOPs: the ratio the model would reach at the GPT's FLOP rate; measured
+        # over executed is how fast the model runs its own matmuls against the GPT's
+        out[name]["flop_ratio_ideal"] = out["gpt"]["flops_ideal"] / out[name]["flops_ideal"]
+        out[name]["flop_ratio_executed"] = (out["gpt"]["flops_executed"]
+                                            / out[name]["flops_executed"])
+        out[name]["rate_vs_gpt"] = out[name]["ratio_to_gpt"] / out[name]["flop_ratio_executed"]
     return out
 
 
@@ -139,6 +160,16 @@ def markdown(results: dict, meta: dict) -> str:
             r = row[n]
             cells.append(f"{r['ratio_to_gpt']:.2f}x ({r['tokens_per_s']:.0f} tok/s)")
         lines.append(f"| {shape.replace('x', ' x ')} | " + " | ".join(cells) + " |")
+    lines += ["", "Where the ratio comes from: forward matmul FLOPs, GPT / model (ced.cost; "
+              "`ideal`: only the keys and entries each query sees; `executed`: what the kernels "
+              "multiply, e.g. a top-k read as a masked matmul over every visible entry), and "
+              "the model's FLOP rate against the GPT's (measured ratio / executed ratio).", "",
+              "| B x T | " + " | ".join(f"{n} ideal / executed / rate" for n in names[1:]) + " |",
+              "|---|" + "---|" * (len(names) - 1)]
+    for shape, row in results.items():
+        lines.append(f"| {shape.replace('x', ' x ')} | " + " | ".join(
+            f"{row[n]['flop_ratio_ideal']:.2f}x / {row[n]['flop_ratio_executed']:.2f}x / "
+            f"{row[n]['rate_vs_gpt']:.2f}" for n in names[1:]) + " |")
     lines.append("")
     lines.append("Parameters: " + ", ".join(
         f"{n} {next(iter(results.values()))[n]['params'] / 1e6:.2f}M" for n in names))

@@ -33,6 +33,35 @@ def test_peer_benchmark_writes_its_table(tmp_path):
     assert set(row) == {"gpt", "ced", "swa"} and row["gpt"]["ratio_to_gpt"] == 1.0
     assert abs(row["ced"]["params"] / row["gpt"]["params"] - 1) < 0.05   # about equal size
     assert "| 1 x 32 |" in (tmp_path / "peer.md").read_text()
+    for name in ("ced", "swa"):
+        r = row[name]
+        assert r["flops_ideal"] <= r["flops_executed"]
+        assert r["flop_ratio_executed"] == row["gpt"]["flops_executed"] / r["flops_executed"]
+        assert r["rate_vs_gpt"] == r["ratio_to_gpt"] / r["flop_ratio_executed"]
+    assert "ideal / executed / rate" in (tmp_path / "peer.md").read_text()
+
+
+def test_gpt_flop_count_matches_torch_counter_and_dense_does_the_gpts_work():
+    """The GPT's analytic FLOPs equal FlopCounterMode's on a forward through SDPA's math
+    backend (which multiplies the whole T x T rectangle), and ced's dense variant of the
+    benchmark does the GPT's matmul work within 0.1% (its SwiGLU width 683 matches the GELU
+    MLP's parameters), so a gap between the two is a rate, not work."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from ced.cost import forward_flops
+    from gpt import GPT, GPTConfig
+    for d, layers, t in ((32, 2, 48), (64, 3, 17)):
+        model = GPT(GPTConfig(d_model=d, n_heads=2, n_layers=layers, max_seq_len=64))
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(torch.randint(0, 259, (1, t)))
+        assert counter.get_total_flops() == model.forward_flops(t, counting="rectangle")
+        causal_pairs, square = t * (t + 1) // 2, t * t
+        assert (model.forward_flops(t, "rectangle") - model.forward_flops(t)
+                == layers * 4 * d * (square - causal_pairs))
+    gpt = peer.build("gpt", {})
+    for t in (512, 2048):
+        dense = forward_flops(peer.model_config("dense"), t, counting="causal").total
+        assert abs(dense / gpt.forward_flops(t) - 1) < 1e-3
 
 
 def test_learning_probe_trains_every_model_on_the_same_rows(tmp_path):
