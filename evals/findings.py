@@ -27,7 +27,8 @@ writes into --out:
                         from the nearest other line's (`shared_suffix`: the longest id suffix
                         another line shares; `one_digit_away`: whether a line's id differs in
                         one digit), pooled over seeds (Wilson CI) and per seed, and what the
-                        wrong answers are (one wrong digit, another line's code)
+                        wrong answers are (one wrong digit, taken from the nearest id's line,
+                        another line's code)
   answer_kl.csv         per job x family x mode: KL(full || mode) at the suite's answers
                         (teacher-forced, summed over the answer's tokens), mean over examples
                         and seeds with a bootstrap 95% CI, each seed's mean
@@ -296,7 +297,8 @@ def needle_id_features(context: str, sep: str = ":") -> dict:
     format, ced.data.tasks.needle: lines `id <id><sep><code>` and the query `?id <id><sep>` at
     the end): `shared_suffix`, the most trailing digits of the queried id that one other line's
     id shares (0 ... id_digits - 1); `one_digit_away`, whether some other id differs from it in
-    exactly one digit; `codes`, the other lines' codes."""
+    exactly one digit; `codes`, the other lines' codes; `nearest_codes`, the codes of the
+    lines that share the `shared_suffix` (none when it is 0)."""
     esc = re.escape(sep)
     query = re.search(rf"\?id (\d+){esc}$", context)
     if query is None:
@@ -311,9 +313,11 @@ def needle_id_features(context: str, sep: str = ":") -> dict:
         while n < len(ident) and other[len(other) - 1 - n] == ident[len(ident) - 1 - n]:
             n += 1
         return n
-    return {"shared_suffix": max((suffix(i) for i, _ in others), default=0),
+    shared = max((suffix(i) for i, _ in others), default=0)
+    return {"shared_suffix": shared,
             "one_digit_away": any(sum(a != b for a, b in zip(i, ident)) == 1 for i, _ in others),
-            "codes": [c for _, c in others]}
+            "codes": [c for _, c in others],
+            "nearest_codes": [c for i, c in others if shared and suffix(i) == shared]}
 
 
 def _load_needle_documents(study: Path) -> pd.DataFrame:
@@ -331,18 +335,23 @@ def _load_needle_documents(study: Path) -> pd.DataFrame:
 def needle_id_table(results: pd.DataFrame, documents: pd.DataFrame) -> pd.DataFrame:
     """`full` accuracy on the needle family by the nearest distractor id (see module doc):
     per job x slice, where slice is `shared_suffix=K`, `one_digit_away=True|False` or `all`,
-    with columns n, accuracy, Wilson CI, per_seed accuracy, wrong (count), one_wrong_digit and
-    other_line_code (the share of wrong answers with exactly one wrong digit of the right
-    length, and the share that are another line's code). Empty without needle results."""
+    with columns n, accuracy, Wilson CI, per_seed accuracy, wrong (count) and three shares of
+    the wrong answers: one_wrong_digit (exactly one wrong digit, right length),
+    digit_from_nearest (that digit is, at its position, the digit of a line whose id shares
+    the longest suffix with the needle's) and other_line_code (another line's whole code).
+    Empty without needle results."""
     full = results[(results["family"] == "needle") & (results["mode"] == FULL)]
     if full.empty or documents.empty:
         return pd.DataFrame()
     full = full.merge(documents, on=["run", "id"], how="inner")
     target, prediction = full["target"].astype(str), full["prediction"].astype(str)
-    full = full.assign(
-        one_wrong_digit=[len(t) == len(p) and sum(a != b for a, b in zip(t, p)) == 1
-                         for t, p in zip(target, prediction)],
-        other_line_code=[p in codes for p, codes in zip(prediction, full["codes"])])
+    one_wrong = [len(t) == len(p) and sum(a != b for a, b in zip(t, p)) == 1
+                 for t, p in zip(target, prediction)]
+    # the one wrong digit is the nearest line's digit at that position
+    from_nearest = [ok and any(c[i] == p[i] for c in near for i in range(len(t)) if t[i] != p[i])
+                    for ok, t, p, near in zip(one_wrong, target, prediction, full["nearest_codes"])]
+    full = full.assign(one_wrong_digit=one_wrong, digit_from_nearest=from_nearest,
+                       other_line_code=[p in codes for p, codes in zip(prediction, full["codes"])])
     rows = []
     slices = [("all", full)]
     slices += [(f"shared_suffix={k}", part) for k, part in full.groupby("shared_suffix")]
@@ -358,6 +367,8 @@ def needle_id_table(results: pd.DataFrame, documents: pd.DataFrame) -> pd.DataFr
                          "per_seed": " ".join(f"{v:.3f}" for v in per_seed.values),
                          "wrong": len(wrong),
                          "one_wrong_digit": wrong["one_wrong_digit"].mean() if len(wrong)
+                         else math.nan,
+                         "digit_from_nearest": wrong["digit_from_nearest"].mean() if len(wrong)
                          else math.nan,
                          "other_line_code": wrong["other_line_code"].mean() if len(wrong)
                          else math.nan})
@@ -527,7 +538,7 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
               "answers are", "",
               _markdown(needle_ids, ["job", "slice", "n", "accuracy", "ci_low", "ci_high",
                                      "per_seed", "wrong", "one_wrong_digit",
-                                     "other_line_code"])]),
+                                     "digit_from_nearest", "other_line_code"])]),
           "## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
           "examples and seeds, bootstrap 95% CI)", "",
           _markdown(answer_kl, ["job", "family", "mode", "n", "mean", "ci_low", "ci_high",

@@ -179,6 +179,9 @@ def test_needle_id_features_on_generated_documents():
             assert len(ids) == 9 and len(got["codes"]) == 9
             suffixes = [next(k for k in (2, 1, 0) if i[3 - k:] == ident[3 - k:]) for i in ids]
             assert got["shared_suffix"] == max(suffixes)
+            codes = dict(re.findall(r"id (\d{3}):(\d{4})\n", ex.context))
+            assert sorted(got["nearest_codes"]) == sorted(
+                codes[i] for i, k in zip(ids, suffixes) if k and k == max(suffixes))
             assert got["one_digit_away"] == any(sum(a != b for a, b in zip(i, ident)) == 1
                                                 for i in ids)
             assert got["one_digit_away"] or near == 0
@@ -191,14 +194,10 @@ def test_needle_id_features_on_generated_documents():
 def test_needle_id_table_slices_accuracy_and_reads_the_wrong_answers():
     from evals.findings import needle_id_table
     docs = pd.DataFrame([
-        {"run": "ced/seed0", "id": "a", "shared_suffix": 2, "one_digit_away": True,
-         "codes": ["1111"]},
-        {"run": "ced/seed0", "id": "b", "shared_suffix": 0, "one_digit_away": False,
-         "codes": ["2222"]},
-        {"run": "ced/seed1", "id": "a", "shared_suffix": 2, "one_digit_away": True,
-         "codes": ["1111"]},
-        {"run": "ced/seed1", "id": "b", "shared_suffix": 0, "one_digit_away": False,
-         "codes": ["2222"]}])
+        {"run": f"ced/seed{seed}", "id": doc_id, "shared_suffix": shared,
+         "one_digit_away": shared == 2, "codes": [code],
+         "nearest_codes": [code] if shared else []}
+        for seed in (0, 1) for doc_id, shared, code in (("a", 2, "1111"), ("b", 0, "2225"))])
     rows = []
     for seed, preds in ((0, {"a": "1234", "b": "1234"}), (1, {"a": "1111", "b": "1235"})):
         for doc_id, pred in preds.items():
@@ -213,8 +212,15 @@ def test_needle_id_table_slices_accuracy_and_reads_the_wrong_answers():
     assert table.loc["all", "wrong"] == 2
     assert table.loc["all", "one_wrong_digit"] == 0.5         # 1235 yes, 1111 no
     assert table.loc["all", "other_line_code"] == 0.5         # 1111 is line a's other code
+    # 1235 (document b) has its wrong digit at the last position, where b's other line has 5,
+    # but that line shares no id suffix: not from a nearest line
+    assert table.loc["all", "digit_from_nearest"] == 0.0
     assert table.loc["shared_suffix=2", "accuracy"] == 0.5
     assert table.loc["one_digit_away=False", "accuracy"] == 0.5
     low, high = wilson_interval(2, 4)
     assert (table.loc["all", "ci_low"], table.loc["all", "ci_high"]) == (low, high)
     assert needle_id_table(pd.DataFrame(rows).assign(family="recall"), docs).empty
+    # a wrong digit that is the nearest line's digit at that position
+    near = docs.assign(nearest_codes=[["9934"]] * 4, shared_suffix=1)
+    mixed = pd.DataFrame(rows).assign(prediction="1934", correct=False)
+    assert needle_id_table(mixed, near).set_index("slice").loc["all", "digit_from_nearest"] == 1
