@@ -434,53 +434,122 @@ def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
     return out, per_set
 
 
-class _FlashJointRead(torch.autograd.Function):
-    """softmax over several key sets and a sink, one fused flash call per set.
+@dataclass(frozen=True)
+class _FlashSet:
+    """One key set of one query block as the fused read takes it: keys and values are rows
+    start:stop of parents[parent] and parents[parent + 1]; mask: the additive float mask
+    (-inf where hidden) or None when the kernel masks causally itself; empty: BoolTensor of
+    the query rows that see none of the set's keys (the kernel reports lse 0 there), or None."""
 
-    Each call returns its set's normalised read o_i and log-sum-exp l_i; the joint read is
-    sum_i exp(l_i - L) o_i with L = logsumexp(l_1, .., l_n, sink). The backward calls the fused
-    backward per set with the joint output and L in place of the set's own: the kernel then
-    recomputes the joint probabilities exp(s - L) and its row term rowsum(grad * out) is the
-    joint one, which is exactly the gradient of the joint softmax (no term is missing)."""
+    parent: int
+    start: int
+    stop: int
+    mask: Tensor | None
+    empty: Tensor | None
+    causal: bool
+
+
+def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
+    mask = None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
+                                              device=q.device).masked_fill_(ks.hidden, -torch.inf)
+    return _FlashSet(parent, start, start + ks.width, mask,
+                     None if ks.causal else ks.hidden.all(-1), ks.causal)
+
+
+def _flash_kv(parents: tuple, fs: _FlashSet) -> tuple[Tensor, Tensor]:
+    return (parents[fs.parent][:, :, fs.start:fs.stop],
+            parents[fs.parent + 1][:, :, fs.start:fs.stop])
+
+
+def _sink_lse(sink: Tensor | None, like: Tensor) -> Tensor:
+    """The sink's logit as a log-sum-exp term shaped like a set's lse [B, H, C] (-inf: none)."""
+    if sink is None:
+        return torch.full_like(like, -torch.inf)
+    return sink.to(like.dtype).view(1, -1, 1).expand_as(like)
+
+
+class _FlashRead(torch.autograd.Function):
+    """softmax over several key sets and a sink, one fused flash call per set, for every query
+    block of an `attend` call in one autograd node.
+
+    Per block, each call returns its set's normalised read o_i and log-sum-exp l_i; the joint
+    read is sum_i exp(l_i - L) o_i with L = logsumexp(l_1, .., l_n, sink). The backward calls
+    the fused backward per set with the joint output and L in place of the set's own: the kernel
+    then recomputes the joint probabilities exp(s - L) and its row term rowsum(grad * out) is
+    the joint one, which is exactly the gradient of the joint softmax (no term is missing).
+
+    Why one node for all blocks: with a node per block, autograd would back-propagate each
+    block's slice of q and of the shared K/V as a zero tensor the size of the whole parent,
+    filled, copied into and summed, per block (quadratic in the number of blocks); here each
+    block's gradient is written into (q) or added into (K, V) its slice of one buffer.
+    plan: per block (c0, c1, sets), the queries c0:c1 and their `_FlashSet`s (none: the block
+    reads nothing, its output is 0). Returns the output [B, H, T, Dh] and L [B, H, T]."""
 
     @staticmethod
-    def forward(ctx, q, sink, masks, empties, causal, *kv):
-        outs, lses = [], []
-        for i, mask in enumerate(masks):
-            o, lse = _FLASH_FORWARD(q, kv[2 * i], kv[2 * i + 1], 0.0, causal[i],
-                                    attn_mask=mask, scale=1.0)
-            outs.append(o)
-            if empties[i] is not None:
-                lse = lse.masked_fill(empties[i], -torch.inf)   # the kernel says 0 there
-            lses.append(lse)
-        if sink is not None:
-            lses.append(sink.to(lses[0].dtype).view(1, -1, 1).expand_as(lses[0]))
-        total = torch.logsumexp(torch.stack(lses), dim=0)
-        out = outs[0] * torch.exp(lses[0] - total)[..., None].to(q.dtype)
-        for o, lse in zip(outs[1:], lses[1:]):
-            out = out + o * torch.exp(lse - total)[..., None].to(q.dtype)
-        ctx.masks, ctx.causal = masks, causal
-        ctx.save_for_backward(q, sink, out, total, *kv)
+    def forward(ctx, q, sink, plan, *parents):
+        outs, totals = [], []
+        for c0, c1, sets in plan:
+            qc = q[:, :, c0:c1]
+            reads, lses = [], []
+            for fs in sets:
+                o, lse = _FLASH_FORWARD(qc, *_flash_kv(parents, fs), 0.0, fs.causal,
+                                        attn_mask=fs.mask, scale=1.0)
+                if fs.empty is not None:
+                    lse = lse.masked_fill(fs.empty, -torch.inf)   # the kernel says 0 there
+                reads.append(o)
+                lses.append(lse)
+            if not sets:
+                outs.append(qc.new_zeros(qc.shape))
+                lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+                totals.append(_sink_lse(sink, qc.new_zeros(qc.shape[:3], dtype=lse_dtype)))
+                continue
+            if sink is not None:
+                lses.append(_sink_lse(sink, lses[0]))
+            total = torch.logsumexp(torch.stack(lses), dim=0)
+            out = reads[0] * torch.exp(lses[0] - total)[..., None].to(q.dtype)
+            for o, lse in zip(reads[1:], lses[1:]):
+                out = out + o * torch.exp(lse - total)[..., None].to(q.dtype)
+            outs.append(out)
+            totals.append(total)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        total = totals[0] if len(totals) == 1 else torch.cat(totals, dim=2)
+        ctx.plan = plan
+        ctx.save_for_backward(q, sink, out, total, *parents)
         ctx.mark_non_differentiable(total)
         return out, total
 
     @staticmethod
     def backward(ctx, grad, _grad_total):
-        q, sink, out, total, *kv = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_q, grad_kv = None, []
-        for i, mask in enumerate(ctx.masks):
-            dq, dk, dv = _FLASH_BACKWARD(grad, q, kv[2 * i], kv[2 * i + 1], out, total, 0.0,
-                                         ctx.causal[i], attn_mask=mask, scale=1.0)
-            grad_q = dq if grad_q is None else grad_q + dq
-            grad_kv += [dk, dv]
-        grad_sink = None
-        if sink is not None and ctx.needs_input_grad[1]:
-            # d out / d sink = -out * p_sink per query row
-            p_sink = torch.exp(sink.to(total.dtype).view(1, -1, 1) - total)
-            grad_sink = -((grad * out).sum(-1).to(total.dtype) * p_sink).sum((0, 2))
+        q, sink, out, total, *parents = ctx.saved_tensors
+        wants = ctx.needs_input_grad
+        grad_q = torch.zeros_like(q) if wants[0] else None
+        grad_parents = [torch.zeros_like(p) if p is not None and wants[3 + i] else None
+                        for i, p in enumerate(parents)]
+        grad_sink = torch.zeros_like(sink, dtype=total.dtype) \
+            if sink is not None and wants[1] else None
+        # last block first, the order in which autograd ran a node per block
+        for c0, c1, sets in reversed(ctx.plan):
+            if not sets:
+                continue
+            g = grad[:, :, c0:c1].contiguous()
+            qc, oc, tc = q[:, :, c0:c1], out[:, :, c0:c1].contiguous(), total[:, :, c0:c1]
+            dq = None
+            for fs in sets:
+                dq_set, dk, dv = _FLASH_BACKWARD(g, qc, *_flash_kv(parents, fs), oc, tc, 0.0,
+                                                 fs.causal, attn_mask=fs.mask, scale=1.0)
+                dq = dq_set if dq is None else dq + dq_set
+                for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
+                    if grad_parents[i] is not None:
+                        grad_parents[i][:, :, fs.start:fs.stop] += d
+            if grad_q is not None:
+                grad_q[:, :, c0:c1] = dq
+            if grad_sink is not None:
+                # d out / d sink = -out * p_sink per query row
+                p_sink = torch.exp(sink.to(tc.dtype).view(1, -1, 1) - tc)
+                grad_sink += -((g * oc).sum(-1).to(tc.dtype) * p_sink).sum((0, 2))
+        if grad_sink is not None:
             grad_sink = grad_sink.to(sink.dtype)
-        return grad_q, grad_sink, None, None, None, *grad_kv
+        return grad_q, grad_sink, None, *grad_parents
 
 
 def _fused_kernel_takes(q: Tensor) -> bool:
@@ -494,29 +563,29 @@ def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
         not ks.gathered and ks.k.dtype == q.dtype and ks.v.dtype == q.dtype for ks in key_sets)
 
 
+def _set_probs(q: Tensor, ks: KeySet, total: Tensor) -> Tensor:
+    """The joint softmax's probabilities over one key set [B, H, C, S], recomputed from the
+    joint log-sum-exp `total` [B, H, C] (detached)."""
+    with torch.no_grad():
+        scores = torch.matmul(q, ks.k.transpose(-1, -2)).masked_fill(ks.hidden, -torch.inf)
+        return torch.exp(scores - total[..., None].to(q.dtype))
+
+
 def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of: int | None
                 ) -> tuple[Tensor, list[Tensor | None]]:
-    """The joint softmax read through `_FlashJointRead`; the probabilities of key set
+    """The joint softmax read through `_FlashRead` as one block; the probabilities of key set
     `probs_of` only (recomputed, detached), the others None."""
     b, h, c, _ = q.shape
     used = [ks for ks in key_sets if ks.width > 0]
-    masks = tuple(None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
-                                                     device=q.device).masked_fill_(ks.hidden,
-                                                                                   -torch.inf)
-                  for ks in used)
-    empties = tuple(None if ks.causal else ks.hidden.all(-1) for ks in used)
-    causal = tuple(ks.causal for ks in used)
-    kv = [t for ks in used for t in (ks.k, ks.v)]
     if not used:       # nothing to read: the sink alone (or nothing) in the denominator
         out = q.new_zeros(b, h, c, q.shape[-1])
         return out, [q.new_zeros(b, h, c, 0) for _ in key_sets]
-    out, total = _FlashJointRead.apply(q, sink, masks, empties, causal, *kv)
+    sets = tuple(_flash_set(ks, 2 * i, 0, q) for i, ks in enumerate(used))
+    out, total = _FlashRead.apply(q, sink, [(0, c, sets)], *[t for ks in used
+                                                             for t in (ks.k, ks.v)])
     per_set: list[Tensor | None] = [None] * len(key_sets)
     if probs_of is not None:
-        ks = key_sets[probs_of]
-        with torch.no_grad():
-            scores = torch.matmul(q, ks.k.transpose(-1, -2)).masked_fill(ks.hidden, -torch.inf)
-            per_set[probs_of] = torch.exp(scores - total[..., None].to(q.dtype))
+        per_set[probs_of] = _set_probs(q, key_sets[probs_of], total)
     return out, per_set
 
 
@@ -573,9 +642,10 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
 
     Why this stays one function, over 60 lines: it is the one readable place for the visibility
     rules (which window keys a query sees, which global entries are visible and selected, how
-    the three read forms mask them). Each block's rules become KeySets, and `joint_read` takes
-    the one softmax over all of them and the sink (by the fused CPU kernel or the reference,
-    the same quantity). Training, parallel evaluation and the engine all run through it.
+    the three read forms mask them). Each block's rules become KeySets; the one softmax over
+    all of them and the sink is taken by the fused CPU kernel for every block at once
+    (`_FlashRead`) or by `joint_read` per block (the reference, or a gathered top-k read): the
+    same quantity. Training, parallel evaluation and the engine all run through it.
     """
     b, h, n_queries, dh = q.shape
     q = q * (1.0 / math.sqrt(dh))      # scaled once here rather than every block's logits
@@ -584,12 +654,14 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     causal = _plain_causal(q, query_positions, lower, window, source, sparse, first_entry)
     if causal:
         block = n_queries
-    outputs, global_probs = [], []
+    # per block: (c0, c1, key sets, where each set's keys start in window.k / source.k as
+    # (parent, start) for the fused read, None for a gathered set, the selection, masked)
+    blocks = []
     for c0 in range(0, n_queries, block):
         c1 = min(c0 + block, n_queries)
-        qc = q[:, :, c0:c1]
         qpos = query_positions[c0:c1]
         key_sets: list[KeySet] = []
+        spans: list[tuple[int, int] | None] = []
         if window is not None:
             low = lower[:, c0:c1]
             first = int(torch.searchsorted(window.positions, low.min()))
@@ -598,7 +670,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
             key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
                                    hidden[:, None], causal=causal))
-        masked = False
+            spans.append((0, first))
+        masked, idx = False, None
         if source is not None:
             n_read = int(n_visible[c1 - 1])
             if sparse:
@@ -608,6 +681,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 key_sets.append(KeySet(_gather_entries(source.k, idx),
                                        _gather_entries(source.v, idx), ~valid[:, None],
                                        gathered=True))
+                spans.append(None)
             else:
                 if masked:
                     hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
@@ -618,18 +692,41 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                         hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
                 key_sets.append(KeySet(source.k[:, :, :n_read], source.v[:, :, :n_read], hidden,
                                        causal=causal))
-        wants_mass = want_global_probs and source is not None
-        out, probs = joint_read(qc, key_sets, sink, len(key_sets) - 1 if wants_mass else None)
+                spans.append((2, 0))
+        blocks.append((c0, c1, key_sets, spans, idx, masked))
+
+    wants_mass = want_global_probs and source is not None
+    global_probs = []
+    if all(_flash_applies(q, key_sets) for _, _, key_sets, *_ in blocks):
+        # every block through the fused kernel, in one autograd node (see _FlashRead)
+        plan = [(c0, c1, tuple(_flash_set(ks, *span, q) for ks, span in zip(key_sets, spans)
+                               if ks.width > 0)) for c0, c1, key_sets, spans, *_ in blocks]
+        parents = (window.k if window is not None else None,
+                   window.v if window is not None else None,
+                   source.k if source is not None else None,
+                   source.v if source is not None else None)
+        result, total = _FlashRead.apply(q, sink, plan, *parents)
         if wants_mass:
-            mass = probs[-1].detach().sum(dim=1)
+            probs = [_set_probs(q[:, :, c0:c1], key_sets[-1], total[:, :, c0:c1])
+                     for c0, c1, key_sets, *_ in blocks]
+    else:
+        outputs, probs = [], []
+        for c0, c1, key_sets, *_ in blocks:
+            qc = q[:, :, c0:c1]
+            out, block_probs = joint_read(qc, key_sets, sink,
+                                          len(key_sets) - 1 if wants_mass else None)
+            outputs.append(out if out is not None else qc.new_zeros(b, h, c1 - c0, dh))
+            probs.append(block_probs[-1] if wants_mass else None)
+        result = torch.cat(outputs, dim=2)
+    if wants_mass:
+        for (c0, c1, key_sets, _, idx, masked), p in zip(blocks, probs):
+            mass = p.detach().sum(dim=1)
             width = key_sets[-1].width
             if sparse and masked:     # back to the selection's slots [B, C, k]
                 mass = torch.gather(F.pad(mass, (0, source.n_entries - width)), -1, idx)
             elif not sparse:
                 mass = F.pad(mass, (0, source.n_entries - width))
             global_probs.append(mass)
-        outputs.append(out if out is not None else qc.new_zeros(b, h, c1 - c0, dh))
-    result = torch.cat(outputs, dim=2)
     return result, (torch.cat(global_probs, dim=1) if global_probs else None)
 
 

@@ -75,8 +75,8 @@ def test_fused_read_without_sink_and_with_an_empty_set():
 
 def test_the_fused_kernel_is_the_one_that_runs_on_cpu(monkeypatch):
     calls = []
-    original = model_module._FlashJointRead.apply
-    monkeypatch.setattr(model_module._FlashJointRead, "apply",
+    original = model_module._FlashRead.apply
+    monkeypatch.setattr(model_module._FlashRead, "apply",
                         lambda *a: calls.append(1) or original(*a))
     q, sets, sink = random_key_sets(0, batch=1, heads=2, queries=4, widths=[5])
     joint_read(q, sets, sink)
@@ -155,9 +155,9 @@ def test_plain_causal_reads_run_as_one_causal_call(monkeypatch, variant, expecte
     """Full-causal layers (dense) and yoco's ratio-1 decoder read are one causal call each;
     windows and compressed or document-masked reads keep their masks."""
     causal_calls = []
-    original = model_module._FlashJointRead.apply
-    monkeypatch.setattr(model_module._FlashJointRead, "apply",
-                        lambda *a: causal_calls.extend(c for c in a[4] if c) or original(*a))
+    original = model_module._FlashRead.apply
+    monkeypatch.setattr(model_module._FlashRead, "apply", lambda *a: causal_calls.extend(
+        fs.causal for _, _, sets in a[2] for fs in sets if fs.causal) or original(*a))
     cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=2,
                       n_decoder_layers=2, encoder_kv_groups=0, global_from_layer=2, window=5,
                       attention_block=7)
@@ -167,6 +167,54 @@ def test_plain_causal_reads_run_as_one_causal_call(monkeypatch, variant, expecte
     causal_calls.clear()
     model(torch.randint(0, cfg.vocab_size, (2, 30)), document_starts=torch.tensor([0, 9]))
     assert not causal_calls
+
+
+@pytest.mark.parametrize("variant,topk", [("swa", None), ("ced", 4), ("ced", None)])
+def test_every_query_block_of_a_layer_is_one_autograd_node(monkeypatch, variant, topk):
+    """All query blocks of one attention call go through one fused node (a node per block
+    made autograd zero-fill and sum a whole-size gradient of q and K/V per block), so a
+    forward makes one fused call per layer however many blocks T / attention_block is."""
+    calls = []
+    original = model_module._FlashRead.apply
+    monkeypatch.setattr(model_module._FlashRead, "apply",
+                        lambda *a: calls.append(len(a[2])) or original(*a))
+    cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=2,
+                      n_decoder_layers=2, encoder_kv_groups=1, global_from_layer=1,
+                      window=5, topk=topk, attention_block=7, global_read="masked")
+    CEDModel(cfg)(torch.randint(0, cfg.vocab_size, (2, 30)))
+    assert len(calls) == cfg.n_encoder_layers + cfg.n_decoder_layers
+    assert all(n == 5 for n in calls)          # ceil(30 / 7) blocks in each
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_blocked_fused_read_matches_the_reference_block_by_block(seed):
+    """`_FlashRead` over a plan of query blocks (slices of shared K/V parents, one block that
+    reads nothing) equals the reference read of each block, forward and every gradient, in
+    float64 to 1e-12."""
+    from ced.model import _FlashRead, _flash_set
+    q, sets, sink = random_key_sets(seed, batch=2, heads=3, queries=9, widths=[12, 12])
+    parents = [t for ks in sets for t in (ks.k, ks.v)]
+    cuts = [(0, 4, 0, 7), (4, 6, 3, 12), (6, 9, 0, 0)]          # (c0, c1, keys a:z) per block
+
+    def block_sets(c0, c1, a, z):
+        return [KeySet(ks.k[:, :, a:z], ks.v[:, :, a:z], ks.hidden[:, :, c0:c1, a:z])
+                for ks in sets]
+
+    weights = torch.linspace(-1, 1, q.numel(), dtype=q.dtype).view_as(q)
+    plan = [(c0, c1, tuple(_flash_set(ks, 2 * i, a, q) for i, ks in
+                           enumerate(block_sets(c0, c1, a, z)) if ks.width > 0))
+            for c0, c1, a, z in cuts]
+    out, _ = _FlashRead.apply(q, sink, plan, *parents)
+    grads = torch.autograd.grad((out * weights).sum(), [q, sink, *parents])
+    with attention_kernel("reference"):
+        outs = [joint_read(q[:, :, c0:c1], block_sets(c0, c1, a, z), sink)[0]
+                for c0, c1, a, z in cuts]
+    ref = torch.cat([o if o is not None else q.new_zeros(2, 3, 3, 8) for o in outs], dim=2)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [q, sink, *parents])
+    assert torch.equal(out[:, :, 6:], torch.zeros_like(out[:, :, 6:]))
+    torch.testing.assert_close(out, ref, rtol=0, atol=TOL)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 
 def test_fused_training_step_is_bitwise_reproducible():
