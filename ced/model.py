@@ -450,6 +450,8 @@ class _FlashSet:
 
 
 def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
+    """`ks` as the fused read takes it: its keys are rows start:start + width of parents[parent]
+    (and its values of parents[parent + 1]); its hidden mask made additive in q's dtype."""
     mask = None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
                                               device=q.device).masked_fill_(ks.hidden, -torch.inf)
     return _FlashSet(parent, start, start + ks.width, mask,
