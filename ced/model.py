@@ -576,15 +576,12 @@ def _set_probs(q: Tensor, ks: KeySet, total: Tensor) -> Tensor:
 def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of: int | None
                 ) -> tuple[Tensor, list[Tensor | None]]:
     """The joint softmax read through `_FlashRead` as one block; the probabilities of key set
-    `probs_of` only (recomputed, detached), the others None."""
-    b, h, c, _ = q.shape
+    `probs_of` only (recomputed, detached), the others None. A call with nothing to read
+    (every set empty) is a plan block without sets: output 0."""
     used = [ks for ks in key_sets if ks.width > 0]
-    if not used:       # nothing to read: the sink alone (or nothing) in the denominator
-        out = q.new_zeros(b, h, c, q.shape[-1])
-        return out, [q.new_zeros(b, h, c, 0) for _ in key_sets]
     sets = tuple(_flash_set(ks, 2 * i, 0, q) for i, ks in enumerate(used))
-    out, total = _FlashRead.apply(q, sink, [(0, c, sets)], *[t for ks in used
-                                                             for t in (ks.k, ks.v)])
+    out, total = _FlashRead.apply(q, sink, [(0, q.shape[2], sets)],
+                                  *[t for ks in used for t in (ks.k, ks.v)])
     per_set: list[Tensor | None] = [None] * len(key_sets)
     if probs_of is not None:
         per_set[probs_of] = _set_probs(q, key_sets[probs_of], total)
