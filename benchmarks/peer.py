@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from ced import CEDModel, ModelConfig  # noqa: E402
 from ced.cost import forward_flops  # noqa: E402
+from ced.model import MLP, RMSNorm  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 VARIANTS = ("dense", "swa", "yoco", "ced")
@@ -55,12 +56,24 @@ def model_config(variant: str, **overrides) -> ModelConfig:
                        **overrides)
 
 
-def build(name: str, overrides: dict) -> torch.nn.Module:
+def build(name: str, overrides: dict, compile_mode: str = "none") -> torch.nn.Module:
+    """The seeded model; compile_mode `pointwise` compiles the ced family's MLPs and norms
+    (the elementwise work between matmuls, `torch.compile` per module), `all` also the GPT's
+    blocks, so that both sides get their elementwise ops fused."""
     torch.manual_seed(0)
     if name == "gpt":
-        return GPT(GPTConfig(vocab_size=259, d_model=256, n_heads=4, n_layers=16,
-                             max_seq_len=2048))
-    return CEDModel(model_config(name, **overrides))
+        model = GPT(GPTConfig(vocab_size=259, d_model=256, n_heads=4, n_layers=16,
+                              max_seq_len=2048))
+        if compile_mode == "all":
+            for block in model.blocks:
+                block.compile()
+        return model
+    model = CEDModel(model_config(name, **overrides))
+    if compile_mode != "none":
+        for module in model.modules():
+            if isinstance(module, (MLP, RMSNorm)):
+                module.compile()
+    return model
 
 
 def make_step(model: torch.nn.Module, ids: torch.Tensor, dtype: str):
@@ -85,9 +98,9 @@ def make_step(model: torch.nn.Module, ids: torch.Tensor, dtype: str):
 
 
 def bench_shape(batch: int, length: int, names: list[str], steps: int, warmup: int,
-                dtype: str, overrides: dict) -> dict:
+                dtype: str, overrides: dict, compile_mode: str = "none") -> dict:
     ids = torch.randint(0, 259, (batch, length), generator=torch.Generator().manual_seed(length))
-    models = {name: build(name, overrides) for name in names}
+    models = {name: build(name, overrides, compile_mode) for name in names}
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     step_fns = {name: make_step(m.train(), ids, dtype) for name, m in models.items()}
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -151,7 +164,8 @@ def check_targets(results: dict) -> list[str]:
 def markdown(results: dict, meta: dict) -> str:
     names = [n for n in ("gpt", *VARIANTS) if n in next(iter(results.values()))]
     lines = [f"Training step (fwd + bwd + AdamW), {meta['dtype']}, {meta['threads']} threads, "
-             f"median of {meta['steps']} interleaved steps; torch {meta['torch']}.", "",
+             f"median of {meta['steps']} interleaved steps; torch {meta['torch']}; torch.compile: "
+             f"{meta.get('compile', 'none')}.", "",
              "| B x T | " + " | ".join(names) + " |",
              "|---|" + "---|" * len(names)]
     for shape, row in results.items():
@@ -187,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="ModelConfig override for the ced-family models, e.g. "
                              "--set global_read=auto (JSON values)")
+    parser.add_argument("--compile", choices=("none", "pointwise", "all"), default="none",
+                        help="torch.compile: pointwise = the ced family's MLPs and norms; all = "
+                             "those and the GPT's blocks (compiled during the warm-up)")
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
     if args.threads:
@@ -207,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         batch, length = (int(x) for x in shape.lower().split("x"))
         print(f"[bench-peer] {batch} x {length}", flush=True)
         results[f"{batch}x{length}"] = bench_shape(batch, length, names, args.steps,
-                                                   args.warmup, args.dtype, overrides)
+                                                   args.warmup, args.dtype, overrides,
+                                                   args.compile)
     meta = {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": args.steps,
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "overrides": overrides}
+            "overrides": overrides, "compile": args.compile}
     table = markdown(results, meta)
     print(table)
     failures = check_targets(results)

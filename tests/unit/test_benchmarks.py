@@ -77,3 +77,24 @@ def test_learning_probe_trains_every_model_on_the_same_rows(tmp_path):
     assert data["results"]["gpt"]["params"] - data["results"]["gpt-rotary"]["params"] == 64 * 16
     assert "| gpt-rotary |" in (tmp_path / "learning.md").read_text()
     assert (tmp_path / "learning.png").stat().st_size > 0
+
+
+def test_peer_compile_modes_compile_the_modules_they_name():
+    """--compile pointwise marks every MLP and norm of a ced-family model for torch.compile
+    and nothing else (attention keeps its data-dependent masks in eager mode); `all` also
+    the GPT's blocks. Marking is lazy: nothing compiles until a forward runs."""
+    from ced.model import MLP, RMSNorm
+
+    def compiled(module):
+        return getattr(module, "_compiled_call_impl", None) is not None
+
+    for mode in ("none", "pointwise", "all"):
+        model = peer.build("dense", {}, mode)
+        pointwise = [m for m in model.modules() if isinstance(m, (MLP, RMSNorm))]
+        assert sum(isinstance(m, MLP) for m in pointwise) == 16          # one per layer
+        assert sum(isinstance(m, RMSNorm) for m in pointwise) >= 2 * 16     # two per layer
+        assert all(compiled(m) == (mode != "none") for m in pointwise)
+        assert not any(compiled(m) for m in model.modules()
+                       if not isinstance(m, (MLP, RMSNorm)))
+        gpt = peer.build("gpt", {}, mode)
+        assert all(compiled(block) == (mode == "all") for block in gpt.blocks)
