@@ -16,6 +16,7 @@ at T = 2048.
 
     python benchmarks/peer.py                       # both shapes, fp32, torch's threads
     python benchmarks/peer.py --shapes 8x512 --steps 3 --variants ced
+    python benchmarks/peer.py --compile pointwise   # torch.compile of MLPs and norms (warm-up)
 
 Writes benchmarks/results/peer.json and peer.md (or --out DIR).
 """
@@ -206,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                              "those and the GPT's blocks (compiled during the warm-up)")
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     args = parser.parse_args(argv)
+    if args.compile != "none" and args.warmup < 1:
+        parser.error(f"--compile {args.compile} needs --warmup >= 1: the first step compiles, "
+                     "and a timed round would count the compilation")
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {}

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -98,3 +99,5 @@ def test_peer_compile_modes_compile_the_modules_they_name():
                        if not isinstance(m, (MLP, RMSNorm)))
         gpt = peer.build("gpt", {}, mode)
         assert all(compiled(block) == (mode == "all") for block in gpt.blocks)
+    with pytest.raises(SystemExit):      # the compiling step would be timed
+        peer.main(["--compile", "pointwise", "--warmup", "0", "--shapes", "1x8"])
