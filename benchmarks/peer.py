@@ -166,7 +166,7 @@ def markdown(results: dict, meta: dict) -> str:
     names = [n for n in ("gpt", *VARIANTS) if n in next(iter(results.values()))]
     lines = [f"Training step (fwd + bwd + AdamW), {meta['dtype']}, {meta['threads']} threads, "
              f"median of {meta['steps']} interleaved steps; torch {meta['torch']}; torch.compile: "
-             f"{meta.get('compile', 'none')}.", "",
+             f"{meta['compile']}.", "",
              "| B x T | " + " | ".join(names) + " |",
              "|---|" + "---|" * len(names)]
     for shape, row in results.items():
