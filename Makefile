@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The demo study (conf/experiment/demo.yaml) into outputs/studies/demo; resumes what is done
 # (rm -rf outputs/studies/demo to start over). Ends with `report: <path>/report.html`.

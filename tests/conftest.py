@@ -115,12 +115,18 @@ def configs(draw, variants=("dense", "swa", "yoco", "ced")) -> ModelConfig:
 
 
 # The files whose tests train models take minutes; pytest-xdist (--dist loadfile) hands files
-# to its workers in collection order, so when these come last one worker runs them alone while
-# the other idles. Collected first, the short files fill in behind them (longest first: the
-# 10-minute CI budget on 2 cores). Estimated seconds beside another worker, measured 2026-12-03.
-SLOW_FILES = {"test_train.py": 170, "test_recipe_recall.py": 130, "test_demo.py": 110,
-              "test_sweeps.py": 85, "test_recipe.py": 50, "test_run_safety.py": 45,
-              "test_invariants.py": 45, "test_lm_eval.py": 40, "test_eval_args.py": 30}
+# to its workers in queue order, so when these come last one worker runs them alone while the
+# other idles. Collected first, the short files fill in behind them (longest first: the
+# 10-minute CI budget on 2 cores). xdist would re-sort the queue by tests per file (its
+# default loadscope reorder, which put the 1-test recall file last: a 2-3 minute tail with one
+# worker busy), so `make test` passes --no-loadscope-reorder. Seconds per file beside another
+# worker, measured 2026-12-03 (--junitxml, summed per file; test_train after its learning
+# test went from 200 to 100 steps).
+SLOW_FILES = {"test_train.py": 125, "test_recipe_recall.py": 113, "test_demo.py": 99,
+              "test_sweeps.py": 62, "test_invariants.py": 54, "test_recipe.py": 48,
+              "test_run_safety.py": 47, "test_hydra_configs.py": 34, "test_lm_eval.py": 29,
+              "test_registry.py": 29, "test_divergence.py": 24, "test_eval_args.py": 22,
+              "test_recipe_levers.py": 20, "test_flops.py": 18}
 
 
 def pytest_collection_modifyitems(config, items):
