@@ -121,6 +121,13 @@ class ModelConfig:
     # "gather" copies each query's k entries; "masked" scores every visible entry with one
     # matmul and masks the unselected ones; "auto" picks the cheaper per query block.
     global_read: str = "auto"
+    # K/V heads of every global KV (the entries a layer's global read sees). None: n_heads,
+    # one K and one V row per head (multi-head). 1: one K and one V row per entry shared by
+    # every query head (multi-query; V4.1 shares one entry across heads, there as one latent
+    # used as both K and V). Must divide n_heads; query head i reads K/V head
+    # i // (n_heads / global_kv_heads). Fewer heads: smaller source projections, entries and
+    # cache, and a top-k gather that copies each selected entry once per K/V head.
+    global_kv_heads: int | None = None
     # Storage formats of cached KV at deployment (see ced/storage.py: "fp32", "bf16", "fp8",
     # "fp4_block16", ...). None: the model's own dtype, which is what the engine stores. The
     # cost model prices every format; CEDModel fake-quantises window K/V, global KV entries
@@ -147,6 +154,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def n_global_kv_heads(self) -> int:
+        """K/V heads of a global KV entry (global_kv_heads, or n_heads when None)."""
+        return self.n_heads if self.global_kv_heads is None else self.global_kv_heads
 
     @property
     def ff_dim(self) -> int:
@@ -221,6 +233,11 @@ def _validate(c: ModelConfig) -> None:
     _check_int(c, "topk", 1, none_means="read every visible global entry")
     _check_int(c, "decoder_reindex_every", 1, none_means="no Reindex layers")
     _check_int(c, "d_ff", 1, none_means="4 * d_model")
+    if c.global_kv_heads is not None and (not _is_int(c.global_kv_heads)
+                                          or c.global_kv_heads < 1
+                                          or c.n_heads % c.global_kv_heads):
+        _fail("global_kv_heads", f"must be None or an integer >= 1 that divides n_heads "
+              f"({c.n_heads})", c.global_kv_heads)
     if c.global_read not in GLOBAL_READS:
         _fail("global_read", f"must be one of {GLOBAL_READS}", c.global_read)
     if not isinstance(c.attention_sink, bool):

@@ -69,6 +69,7 @@ class Widths:
     entry_values: int      # values per global entry (K and V)
     indexer_in: int        # input width of the indexer query projection
     latent: bool
+    entry_heads: int = 0   # K/V heads of a global entry (global_kv_heads); 0 in latent form
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "Widths":
@@ -78,8 +79,9 @@ class Widths:
             return cls(cfg.d_model, cfg.n_heads, lat, lat, lat,
                        u.q_lora_rank or cfg.d_model, True)
         q_in = u.q_lora_rank if u is not None and u.q_lora_rank else cfg.d_model
-        return cls(cfg.d_model, cfg.n_heads, cfg.head_dim, 2 * cfg.d_model, 2 * cfg.d_model,
-                   q_in, False)
+        g = cfg.n_global_kv_heads
+        return cls(cfg.d_model, cfg.n_heads, cfg.head_dim, 2 * cfg.d_model,
+                   2 * g * cfg.head_dim, q_in, False, g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,11 +159,12 @@ def _source_costs(cfg: ModelConfig) -> list[SourceCost]:
     out = []
     for s in plan.sources:
         m = s.compress_ratio
-        # K/V projection of every token: d -> 2d (ours) or d -> latent (shared K=V).
+        # K/V projection of every token: d -> 2 G Dh (ours, G = global_kv_heads) or
+        # d -> latent (shared K=V).
         kv = w.d * w.entry_values
-        # Softmax-gated pooling: gate per head (ours) or per latent channel, and a bias per
+        # Softmax-gated pooling: gate per K/V head (ours) or per latent channel, and a bias per
         # block slot. Our choice for the latent form: per-channel gating.
-        gate_width = w.entry_values if w.latent else cfg.n_heads
+        gate_width = w.entry_values if w.latent else w.entry_heads
         gate = w.d * gate_width + m * gate_width if m > 1 else 0
         index_key = w.entry_values * cfg.indexer_dim if cfg.topk is not None else 0
         norm = cfg.d_model if s.part == "decoder" else 0        # RMSNorm(H_{L_e})
@@ -629,10 +632,11 @@ def engine_cache_bytes(cfg: ModelConfig, seq_len: int, replay: None | int | str 
     window_kv: each window layer holds min(W - 1, positions it computed) positions of K and V
       (2 d values); a full-causal (dense) layer holds every position; after an early-exit
       prefill the decoder layers computed only the replayed positions (then the decoded ones);
-    global_kv: floor(L / m) entries per source, K and V (2 d values each entry);
+    global_kv: floor(L / m) entries per source, K and V (2 G Dh values each entry, G =
+      n_global_kv_heads: 2 d with multi-head entries);
     indexer_keys: indexer_dim values per entry (with topk);
-    pending_blocks: the L mod m tokens of the incomplete block, 2 d projected values each plus
-      n_heads gate logits (ratio > 1);
+    pending_blocks: the L mod m tokens of the incomplete block, 2 G Dh projected values each
+      plus G gate logits (ratio > 1);
     encoder_hidden: H_{L_e} of the last min(hidden_tail, L) positions (d values each).
     L = seq_len + decode_steps. hidden_tail defaults as InferenceEngine's does."""
     _check_length("seq_len", seq_len)
@@ -649,13 +653,15 @@ def engine_cache_bytes(cfg: ModelConfig, seq_len: int, replay: None | int | str 
             held = computed - max(0, keep_from(computed, spec.window))
             window += held * size(2 * d)
     global_kv = index = pending = 0
+    g = cfg.n_global_kv_heads
+    entry = 2 * g * cfg.head_dim
     for s in plan.sources:
         m = s.compress_ratio
         entries, rest = divmod(length, m)
-        global_kv += entries * size(2 * d)
+        global_kv += entries * size(entry)
         if cfg.topk is not None:
             index += entries * size(cfg.indexer_dim)
-        pending += rest * (size(2 * d) + (size(cfg.n_heads) if m > 1 else 0))
+        pending += rest * (size(entry) + (size(g) if m > 1 else 0))
     if hidden_tail is None:
         hidden_tail = default_hidden_tail(cfg)
     tail = min(hidden_tail, length) if cfg.has_decoder else 0

@@ -244,9 +244,10 @@ class WindowKV:
 
 @dataclass
 class SourceKV:
-    """One global KV: complete entries k, v [B, H, E, Dh] (RoPE at j*m), indexer keys [B, E, Di],
-    and the projected tokens of the incomplete block, pending_tokens [B, p, 2D] and
-    pending_gates [B, p, H], not yet visible to anyone."""
+    """One global KV: complete entries k, v [B, G, E, Dh] (RoPE at j*m; G K/V heads,
+    ModelConfig.n_global_kv_heads), indexer keys [B, E, Di], and the projected tokens of the
+    incomplete block, pending_tokens [B, p, 2 G Dh] and pending_gates [B, p, G], not yet
+    visible to anyone."""
 
     k: Tensor
     v: Tensor
@@ -257,10 +258,11 @@ class SourceKV:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, compress_ratio: int, batch: int, like: Tensor) -> "SourceKV":
-        h, dh, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+        g, dh = cfg.n_global_kv_heads, cfg.head_dim
         index_keys = like.new_zeros(batch, 0, cfg.indexer_dim) if cfg.topk is not None else None
-        return cls(like.new_zeros(batch, h, 0, dh), like.new_zeros(batch, h, 0, dh), index_keys,
-                   like.new_zeros(batch, 0, 2 * d), like.new_zeros(batch, 0, h), compress_ratio)
+        return cls(like.new_zeros(batch, g, 0, dh), like.new_zeros(batch, g, 0, dh), index_keys,
+                   like.new_zeros(batch, 0, 2 * g * dh), like.new_zeros(batch, 0, g),
+                   compress_ratio)
 
     @property
     def n_entries(self) -> int:
@@ -392,8 +394,8 @@ def attention_kernel(name: str):
 @dataclass
 class KeySet:
     """One set of keys a block of queries reads: k, v [B, H, S, Dh], or with gathered=True the
-    per-query rows of a top-k gather [B, H, C, k, Dh]; hidden: BoolTensor broadcastable to
-    [B, H, C, S] (or [B, H, C, k]), True where a query may not read the key."""
+    per-query rows of a top-k gather [B, G, C, k, Dh] (G K/V heads); hidden: BoolTensor
+    broadcastable to [B, H, C, S] (or [B, H, C, k]), True where a query may not read the key."""
 
     k: Tensor
     v: Tensor
@@ -408,6 +410,34 @@ class KeySet:
         return self.k.shape[-2]
 
 
+def _gathered_scores(q: Tensor, k: Tensor) -> Tensor:
+    """q [B, H, C, Dh] against each query's gathered rows k [B, G, C, k, Dh] -> [B, H, C, k].
+    Query head i reads K/V head i // (H / G): per query and K/V head one (H/G x Dh) @ (Dh x k)
+    product, so a multi-query entry (G = 1) is copied once and read by every head."""
+    b, h, c, dh = q.shape
+    g = k.shape[1]
+    grouped = q.view(b, g, h // g, c, dh).transpose(2, 3)            # [B, G, C, H/G, Dh]
+    scores = torch.matmul(grouped, k.transpose(-1, -2))               # [B, G, C, H/G, k]
+    return scores.transpose(2, 3).reshape(b, h, c, k.shape[-2])
+
+
+def _gathered_values(p: Tensor, v: Tensor) -> Tensor:
+    """Probabilities p [B, H, C, k] over gathered rows v [B, G, C, k, Dh] -> [B, H, C, Dh]."""
+    b, h, c, n = p.shape
+    g = v.shape[1]
+    grouped = p.view(b, g, h // g, c, n).transpose(2, 3)              # [B, G, C, H/G, k]
+    return torch.matmul(grouped, v).transpose(2, 3).reshape(b, h, c, v.shape[-1])
+
+
+def _per_query_head(entries: Tensor, heads: int) -> Tensor:
+    """Global K or V [B, G, E, Dh] as [B, heads, E, Dh], query head i on K/V head
+    i // (heads / G): the tensor itself when G = heads, a stride-0 view when G = 1."""
+    b, g, e, dh = entries.shape
+    if g == heads:
+        return entries
+    return entries[:, :, None].expand(b, g, heads // g, e, dh).reshape(b, heads, e, dh)
+
+
 def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
                     ) -> tuple[Tensor, list[Tensor]]:
     """The joint softmax read with plain matmuls. q [B, H, C, Dh] (already scaled).
@@ -416,7 +446,7 @@ def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
     logits = []
     for ks in key_sets:
         if ks.gathered:
-            scores = torch.matmul(q.unsqueeze(-2), ks.k.transpose(-1, -2)).squeeze(-2)
+            scores = _gathered_scores(q, ks.k)
         else:
             scores = torch.matmul(q, ks.k.transpose(-1, -2))
         logits.append(scores.masked_fill(ks.hidden, -torch.inf))
@@ -427,8 +457,7 @@ def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
     for ks in key_sets:
         p = probs[..., at:at + ks.width]
         at += ks.width
-        read = (torch.matmul(p.unsqueeze(-2), ks.v).squeeze(-2) if ks.gathered
-                else torch.matmul(p, ks.v))
+        read = _gathered_values(p, ks.v) if ks.gathered else torch.matmul(p, ks.v)
         out = read if out is None else out + read
         per_set.append(p)
     return out, per_set
@@ -653,7 +682,11 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     causal = _plain_causal(q, query_positions, lower, window, source, sparse, first_entry)
     if causal:
         block = n_queries
-    # per block: (c0, c1, key sets, where each set's keys start in window.k / source.k as
+    # Global K/V per query head for the plain and masked reads (a gathered read copies the
+    # K/V heads' rows and groups the query heads itself).
+    entry_k = _per_query_head(source.k, h) if source is not None else None
+    entry_v = _per_query_head(source.v, h) if source is not None else None
+    # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
     # (parent, start) for the fused read, None for a gathered set, the selection, masked)
     blocks = []
     for c0 in range(0, n_queries, block):
@@ -689,7 +722,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                     hidden = (entry[None, :] >= n_visible[c0:c1, None])[None, None]
                     if first_entry is not None:
                         hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
-                key_sets.append(KeySet(source.k[:, :, :n_read], source.v[:, :, :n_read], hidden,
+                key_sets.append(KeySet(entry_k[:, :, :n_read], entry_v[:, :, :n_read], hidden,
                                        causal=causal))
                 spans.append((2, 0))
         blocks.append((c0, c1, key_sets, spans, idx, masked))
@@ -702,8 +735,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                                if ks.width > 0)) for c0, c1, key_sets, spans, *_ in blocks]
         parents = (window.k if window is not None else None,
                    window.v if window is not None else None,
-                   source.k if source is not None else None,
-                   source.v if source is not None else None)
+                   entry_k, entry_v)
         result, total = _FlashRead.apply(q, sink, plan, *parents)
         if wants_mass:
             probs = [_set_probs(q[:, :, c0:c1], key_sets[-1], total[:, :, c0:c1])
@@ -745,21 +777,24 @@ class RMSNorm(nn.Module):
 
 
 class GlobalKVSource(nn.Module):
-    """Produces one global KV from a hidden state: per-token K/V projection, softmax-gated
-    pooling over blocks of `compress_ratio` tokens, RoPE at the block's first position, and
-    indexer keys projected from the pooled entry (docs/semantics.md section 3.1). Entries and
-    indexer keys are stored here, so here they pass through their storage formats (3.6)."""
+    """Produces one global KV from a hidden state: per-token K/V projection (G = global_kv_heads
+    heads), softmax-gated pooling over blocks of `compress_ratio` tokens (a gate per K/V head),
+    RoPE at the block's first position, and indexer keys projected from the pooled entry
+    (docs/semantics.md section 3.1). Entries and indexer keys are stored here, so here they
+    pass through their storage formats (3.6)."""
 
     def __init__(self, cfg: ModelConfig, compress_ratio: int):
         super().__init__()
         self.cfg, self.ratio = cfg, compress_ratio
         self.storage = KVStorage.from_config(cfg)
-        self.kv = nn.Linear(cfg.d_model, 2 * cfg.d_model, bias=False)
+        self.heads = cfg.n_global_kv_heads
+        self.entry_width = 2 * self.heads * cfg.head_dim       # K and V rows of one entry
+        self.kv = nn.Linear(cfg.d_model, self.entry_width, bias=False)
         if compress_ratio > 1:
-            self.gate = nn.Linear(cfg.d_model, cfg.n_heads, bias=False)
-            self.gate_bias = nn.Parameter(torch.zeros(compress_ratio, cfg.n_heads))
+            self.gate = nn.Linear(cfg.d_model, self.heads, bias=False)
+            self.gate_bias = nn.Parameter(torch.zeros(compress_ratio, self.heads))
         # The indexer is trained by its KL loss alone, so its keys read a detached entry.
-        self.index_key = (nn.Linear(2 * cfg.d_model, cfg.indexer_dim, bias=False)
+        self.index_key = (nn.Linear(self.entry_width, cfg.indexer_dim, bias=False)
                           if cfg.topk is not None else None)
 
     def append(self, state: SourceKV, x: Tensor, positions: Tensor) -> None:
@@ -781,9 +816,9 @@ class GlobalKVSource(nn.Module):
                  else state.pending_gates)
         n_new = tokens.shape[1] // m
         if n_new:
-            block = tokens[:, :n_new * m].view(b, n_new, m, 2, cfg.n_heads, cfg.head_dim)
+            block = tokens[:, :n_new * m].view(b, n_new, m, 2, self.heads, cfg.head_dim)
             if m > 1:
-                weight = torch.softmax(gates[:, :n_new * m].view(b, n_new, m, cfg.n_heads)
+                weight = torch.softmax(gates[:, :n_new * m].view(b, n_new, m, self.heads)
                                        + self.gate_bias, dim=2)
                 entry = (block * weight[:, :, :, None, :, None]).sum(dim=2)
             else:
@@ -795,7 +830,7 @@ class GlobalKVSource(nn.Module):
             state.k = torch.cat((state.k, store(self.storage.entries, k)), dim=2)
             state.v = torch.cat((state.v, store(self.storage.entries, v)), dim=2)
             if self.index_key is not None:
-                keys = self.index_key(entry.reshape(b, n_new, 2 * cfg.d_model).detach())
+                keys = self.index_key(entry.reshape(b, n_new, self.entry_width).detach())
                 keys = store(self.storage.index_keys, keys)
                 state.index_keys = torch.cat((state.index_keys, keys), dim=1)
         state.pending_tokens = tokens[:, n_new * m:]

@@ -110,6 +110,7 @@ def configs(draw, variants=("dense", "swa", "yoco", "ced")) -> ModelConfig:
         encoder_compress_ratio=enc_ratio, decoder_compress_ratio=dec_ratio,
         decoder_reindex_every=draw(st.sampled_from([None, 1, 2])), indexer_heads=2,
         indexer_dim=4, attention_sink=draw(st.booleans()),
+        global_kv_heads=draw(st.sampled_from([None, 1])),
         attention_block=draw(st.sampled_from([1, 3, 128])),
         shift_tokens=draw(st.sampled_from([0, 0, 1, 3])), max_seq_len=128)
 

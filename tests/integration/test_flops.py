@@ -28,6 +28,8 @@ CONFIGS = {
     "ced-w1": tiny_config("ced", window=1, encoder_compress_ratio=1, topk=2, global_from_layer=0,
                           encoder_kv_groups=3, attention_block=4, attention_sink=False),
     "yoco-topk": tiny_config("yoco", topk=2, attention_block=3, tie_embeddings=True),
+    "ced-mqa": tiny_config("ced", topk=3, global_kv_heads=1, attention_block=5,
+                           encoder_compress_ratio=2, global_read="gather"),
     "dense": tiny_config("dense", attention_block=7, d_ff=24),
     "swa": tiny_config("swa", attention_block=6),
 }
@@ -99,12 +101,13 @@ BYTES_CONFIGS = [
     tiny_config("ced", topk=3, encoder_compress_ratio=3, decoder_compress_ratio=2, window=5),
     tiny_config("ced", window=1, encoder_compress_ratio=1),
     tiny_config("yoco", topk=2),
+    tiny_config("ced", topk=3, global_kv_heads=1, encoder_compress_ratio=3),
     tiny_config("dense"),
     tiny_config("swa"),
 ]
 
 
-@pytest.mark.parametrize("cfg", BYTES_CONFIGS, ids=lambda c: f"{c.variant}-w{c.window}-k{c.topk}")
+@pytest.mark.parametrize("cfg", BYTES_CONFIGS, ids=lambda c: f"{c.variant}-w{c.window}-k{c.topk}-g{c.global_kv_heads}")
 @pytest.mark.parametrize("dtype, name", [(torch.float64, "fp64"), (torch.float32, "fp32")])
 def test_engine_bytes_equal_analytic(cfg, dtype, name):
     model = make_model(cfg, seed=4).to(dtype)

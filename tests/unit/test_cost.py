@@ -237,10 +237,13 @@ def test_flash_config_round_trips(flash):
 # ---- 5. parameters: the real model, and hand-computed paper-style parts ---------------------
 
 @pytest.mark.parametrize("variant", ["dense", "swa", "yoco", "ced"])
-@pytest.mark.parametrize("topk, tie, shift", [(None, False, 0), (2, True, 2), (None, False, 3)])
-def test_params_match_the_model(variant, topk, tie, shift):
+@pytest.mark.parametrize("topk, tie, shift, kv_heads", [(None, False, 0, None), (2, True, 2, None),
+                                                        (None, False, 3, None), (2, False, 0, 1),
+                                                        (None, True, 0, 1)])
+def test_params_match_the_model(variant, topk, tie, shift, kv_heads):
     cfg = tiny_config(variant, topk=topk, tie_embeddings=tie, decoder_reindex_every=1,
-                      encoder_compress_ratio=3, window=4, shift_tokens=shift)
+                      encoder_compress_ratio=3, window=4, shift_tokens=shift,
+                      global_kv_heads=kv_heads)
     model = CEDModel(cfg)
     assert model_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
     dec_src = model.plan.decoder_source
