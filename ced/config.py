@@ -57,10 +57,13 @@ VARIANT_TRAITS: dict[str, VariantTraits] = {
 VARIANTS = tuple(VARIANT_TRAITS)
 GLOBAL_READS = ("auto", "gather", "masked")
 # With global_read="auto", a block of queries reads its top-k entries through the masked dense
-# matmul while the visible entries number at most this many times the top-k slots. Measured on
-# CPU (one thread, a block of 128 queries, 4 heads of 64, k = 64, forward + backward of
-# `attend`): the masked read is 4.7x faster than the gather at 8 entries per slot, level at 32,
-# and 4x slower at 64; so the gather remains for long caches and decode-like calls.
+# matmul while the visible entries number at most this many times the top-k slots, divided by
+# the query heads per K/V head (global_kv_heads). Measured on CPU (a block of 128 queries, 4
+# heads of 64, k = 64, forward + backward of `attend`): with multi-head entries the masked read
+# is 4.7x faster than the gather at 8 entries per slot, level at 32, and 4x slower at 64. The
+# gather copies each entry once per K/V head, so with fewer K/V heads it is cheaper and the
+# crossing comes earlier; 2026-12-03, 2 threads: level at 16 entries per slot with 2 K/V heads
+# for 4 query heads, at 8 with 1 (then 3.6x faster than the masked read at 32).
 MASKED_READ_MAX_RATIO = 32
 # CPU GEMMs ran up to 1.3x slower at a SwiGLU width such as 683 than at 688 (issue 10's
 # benchmark): the MLP runs its hidden width padded to a multiple of this (`executed_ff_dim`).
@@ -504,15 +507,18 @@ def executed_ff_dim(c: ModelConfig) -> int:
     return c.ff_dim + (-c.ff_dim % FF_PAD)
 
 
-def global_read_is_masked(mode: str, n_queries: int, n_read: int, slots: int) -> bool:
+def global_read_is_masked(mode: str, n_queries: int, n_read: int, slots: int,
+                          heads_per_kv_head: int = 1) -> bool:
     """Whether a block of `n_queries` queries reads its `slots` top-k entries (out of the first
     `n_read` entries, those visible to its last query) through the masked dense matmul rather
-    than a gather; `mode` is ModelConfig.global_read. Both compute the same softmax over the
-    same entries; the choice is speed only, and the cost model (counting="executed") follows
-    the same rule."""
+    than a gather; `mode` is ModelConfig.global_read; heads_per_kv_head: n_heads /
+    n_global_kv_heads (the gather copies each entry once per K/V head, so it pays off sooner
+    with fewer of them). Both compute the same softmax over the same entries; the choice is
+    speed only, and the cost model (counting="executed") follows the same rule."""
     if mode != "auto":
         return mode == "masked"
-    return n_queries > 1 and n_read <= MASKED_READ_MAX_RATIO * max(slots, 1)
+    return (n_queries > 1
+            and n_read * heads_per_kv_head <= MASKED_READ_MAX_RATIO * max(slots, 1))
 
 
 def _split_variants() -> str:

@@ -452,7 +452,8 @@ class _Walk:
                         read = q * (z // m)
                     else:   # the same per-block choice as ced.model.attend
                         slots = min(cfg.topk, entries)
-                        masked = global_read_is_masked(cfg.global_read, q, z // m, slots)
+                        masked = global_read_is_masked(cfg.global_read, q, z // m, slots,
+                                                       cfg.n_heads // cfg.n_global_kv_heads)
                         read = q * (z // m if masked else slots)
                     scored = q * min(entries, z // m)   # the entries visible to the block
                 else:

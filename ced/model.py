@@ -708,7 +708,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             n_read = int(n_visible[c1 - 1])
             if sparse:
                 idx, valid = selection.index[:, c0:c1], selection.valid[:, c0:c1]
-                masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1])
+                masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
+                                               h // source.k.shape[1])
             if sparse and not masked:
                 key_sets.append(KeySet(_gather_entries(source.k, idx),
                                        _gather_entries(source.v, idx), ~valid[:, None],

@@ -30,6 +30,9 @@ CONFIGS = {
     "yoco-topk": tiny_config("yoco", topk=2, attention_block=3, tie_embeddings=True),
     "ced-mqa": tiny_config("ced", topk=3, global_kv_heads=1, attention_block=5,
                            encoder_compress_ratio=2, global_read="gather"),
+    # auto with 2 query heads per K/V head: masked up to 16 entries per slot, gathered beyond
+    "ced-mqa-auto": tiny_config("ced", topk=1, global_kv_heads=1, attention_block=5,
+                                encoder_compress_ratio=1, window=2),
     "dense": tiny_config("dense", attention_block=7, d_ff=24),
     "swa": tiny_config("swa", attention_block=6),
 }

@@ -215,6 +215,10 @@ def test_global_read_choice_follows_cost():
     assert global_read_is_masked("auto", 128, MASKED_READ_MAX_RATIO * 64, 64)
     assert not global_read_is_masked("auto", 128, MASKED_READ_MAX_RATIO * 64 + 1, 64)
     assert not global_read_is_masked("auto", 1, 16, 8)
+    # fewer K/V heads than query heads: the gather is cheaper, the masked range shorter
+    assert global_read_is_masked("auto", 128, MASKED_READ_MAX_RATIO * 64 // 4, 64, 4)
+    assert not global_read_is_masked("auto", 128, MASKED_READ_MAX_RATIO * 64 // 4 + 1, 64, 4)
+    assert not global_read_is_masked("auto", 128, MASKED_READ_MAX_RATIO * 64 // 2 + 1, 64, 2)
     assert global_read_is_masked("masked", 1, 10_000, 1)
     assert not global_read_is_masked("gather", 128, 8, 8)
     with pytest.raises(ValueError, match="ModelConfig.global_read"):
