@@ -3,7 +3,9 @@
 Both sides have about 13M parameters: d_model 256, 16 layers (ced family: 8 encoder + 8
 decoder), 4 heads, vocab 259. The GPT (benchmarks/gpt.py) has a GELU MLP of width 4d; the ced
 family a SwiGLU MLP of width 683, so the MLP parameters match. ced: top-k 64, window 64,
-encoder compression 2 in 3 groups from layer 2, decoder compression 1, Reindex every 4.
+encoder compression 2 in 3 groups from layer 2, decoder compression 1, Reindex every 4;
+ced_mq: the same with multi-query global entries (global_kv_heads 1: one K and one V row per
+entry for all 4 heads, as V4.1 shares its entries).
 
 One figure = one AdamW training step (forward, backward, update) in one process. The models
 take turns step by step (interleaved, so a change in machine load hits all of them alike);
@@ -43,18 +45,21 @@ from ced.cost import forward_flops  # noqa: E402
 from ced.model import MLP, RMSNorm  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-VARIANTS = ("dense", "swa", "yoco", "ced")
+VARIANTS = ("dense", "swa", "yoco", "ced", "ced_mq")
 COMMON = dict(vocab_size=259, d_model=256, n_heads=4, n_encoder_layers=8, n_decoder_layers=8,
               window=64, d_ff=683, max_seq_len=2048)
 CED_FIELDS = dict(topk=64, global_from_layer=2, encoder_kv_groups=3, encoder_compress_ratio=2,
                   decoder_compress_ratio=1, decoder_reindex_every=4)
-TARGETS = {"ced": 1.0, "dense": 1.0, "yoco": 1.0}
+TARGETS = {"ced": 1.0, "ced_mq": 1.0, "dense": 1.0, "yoco": 1.0}
 SWA_TARGET_LONG = (2048, 1.3)
 
 
 def model_config(variant: str, **overrides) -> ModelConfig:
-    return ModelConfig(variant=variant, **COMMON, **(CED_FIELDS if variant == "ced" else {}),
-                       **overrides)
+    """The benchmark's config of `variant` (one of VARIANTS; ced_mq is ced with one K/V head
+    per global entry), with `overrides` (--set) on top."""
+    fields = {"ced": CED_FIELDS, "ced_mq": {**CED_FIELDS, "global_kv_heads": 1}}.get(variant, {})
+    return ModelConfig(variant="ced" if variant == "ced_mq" else variant,
+                       **COMMON, **{**fields, **overrides})
 
 
 def build(name: str, overrides: dict, compile_mode: str = "none") -> torch.nn.Module:

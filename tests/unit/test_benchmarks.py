@@ -42,6 +42,15 @@ def test_peer_benchmark_writes_its_table(tmp_path):
     assert "ideal / executed / rate" in (tmp_path / "peer.md").read_text()
 
 
+def test_peer_variants_configs():
+    """ced_mq is the benchmark's ced with one K/V head per global entry, and --set wins."""
+    ced, mq = peer.model_config("ced"), peer.model_config("ced_mq")
+    assert mq.variant == "ced" and mq.n_global_kv_heads == 1 and ced.n_global_kv_heads == 4
+    assert mq.to_dict() == {**ced.to_dict(), "global_kv_heads": 1}
+    assert peer.model_config("ced_mq", global_kv_heads=2).n_global_kv_heads == 2
+    assert peer.model_config("yoco", global_kv_heads=1).n_global_kv_heads == 1
+
+
 def test_gpt_flop_count_matches_torch_counter_and_dense_does_the_gpts_work():
     """The GPT's analytic FLOPs equal FlopCounterMode's on a forward through SDPA's math
     backend (which multiplies the whole T x T rectangle), and ced's dense variant of the
