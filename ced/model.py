@@ -349,9 +349,10 @@ def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
 # Kernels of the joint softmax read. `attend` decides which keys each query sees; a kernel only
 # computes softmax([q.k for every key set] ++ [sink]) and the matching value reads. Two kernels
 # compute the same quantity: the reference (plain matmuls, softmax over concatenated logits; any
-# device and dtype, and the only one for a gathered top-k read) and, on CPU, torch's fused
-# flash-attention kernel called once per key set with the partial reads merged through their
-# log-sum-exps. The choice is speed only (about 2x on the attention of a training step).
+# device and dtype) and, on CPU, torch's fused flash-attention kernel called once per key set
+# with the partial reads merged through their log-sum-exps (a gathered top-k set, whose keys
+# differ per query, is one more partial read there, by grouped matmuls). The choice is speed
+# only (about 2x on the attention of a training step).
 # ---------------------------------------------------------------------------------------------
 
 ATTENTION_KERNELS = ("auto", "reference")
@@ -366,8 +367,9 @@ _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 def set_attention_kernel(name: str) -> str:
     """Choose the kernel of every later `attend` call; returns the previous choice.
-    "auto": the fused CPU flash kernel where it applies (CPU tensors of fp32/fp64/bf16, no
-    gathered top-k read), else the reference; "reference": always the reference. Both give the
+    "auto": the fused CPU flash kernel where it applies (CPU tensors of fp32/fp64/bf16; a
+    gathered top-k set only in fp32/fp64 and for more than one query, see `_flash_applies`),
+    else the reference; "reference": always the reference. Both give the
     same result up to floating-point rounding (tests/unit/test_attention_kernels.py)."""
     global _attention_kernel
     if name not in ATTENTION_KERNELS:
@@ -468,7 +470,9 @@ class _FlashSet:
     """One key set of one query block as the fused read takes it: keys and values are rows
     start:stop of parents[parent] and parents[parent + 1]; mask: the additive float mask
     (-inf where hidden) or None when the kernel masks causally itself; empty: BoolTensor of
-    the query rows that see none of the set's keys (the kernel reports lse 0 there), or None."""
+    the query rows that see none of the set's keys (the kernel reports lse 0 there), or None.
+    gathered: the parents are this block's gathered top-k rows [B, G, C, k, Dh] (whole), read
+    with the grouped matmuls of the reference instead of the fused kernel."""
 
     parent: int
     start: int
@@ -476,6 +480,7 @@ class _FlashSet:
     mask: Tensor | None
     empty: Tensor | None
     causal: bool
+    gathered: bool = False
 
 
 def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
@@ -484,12 +489,53 @@ def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
     mask = None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
                                               device=q.device).masked_fill_(ks.hidden, -torch.inf)
     return _FlashSet(parent, start, start + ks.width, mask,
-                     None if ks.causal else ks.hidden.all(-1), ks.causal)
+                     None if ks.causal else ks.hidden.all(-1), ks.causal, ks.gathered)
 
 
 def _flash_kv(parents: tuple, fs: _FlashSet) -> tuple[Tensor, Tensor]:
+    if fs.gathered:
+        return parents[fs.parent], parents[fs.parent + 1]
     return (parents[fs.parent][:, :, fs.start:fs.stop],
             parents[fs.parent + 1][:, :, fs.start:fs.stop])
+
+
+def _gathered_read(qc: Tensor, k: Tensor, v: Tensor, fs: _FlashSet
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """A gathered key set's normalised read and log-sum-exp, as the fused kernel returns them
+    for a plain set, and its own probabilities (kept for the backward): qc [B, H, C, Dh], rows
+    k, v [B, G, C, k, Dh] -> [B, H, C, Dh], [B, H, C] (-inf and a zero read on rows that see
+    none of the set's keys), [B, H, C, k]."""
+    scores = _gathered_scores(qc, k) + fs.mask
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    if fs.empty is not None:
+        probs = probs.masked_fill(fs.empty[..., None], 0.0)
+    return _gathered_values(probs, v), lse, probs
+
+
+def _grouped_outer(a: Tensor, x: Tensor, g: int) -> Tensor:
+    """sum over the query heads of each K/V head group of a[h, c, j] x[h, c, d]:
+    a [B, H, C, k], x [B, H, C, Dh] -> [B, G, C, k, Dh] (the gradient of gathered rows)."""
+    b, h, c, n = a.shape
+    grouped_a = a.view(b, g, h // g, c, n).permute(0, 1, 3, 4, 2)         # [B, G, C, k, H/G]
+    grouped_x = x.view(b, g, h // g, c, x.shape[-1]).transpose(2, 3)       # [B, G, C, H/G, Dh]
+    return torch.matmul(grouped_a, grouped_x)
+
+
+def _gathered_backward(g: Tensor, qc: Tensor, k: Tensor, v: Tensor, oc: Tensor, tc: Tensor,
+                       own: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The joint softmax's gradient through a gathered set, given the joint output oc and
+    log-sum-exp tc of the block (as `_FLASH_BACKWARD` takes them for a plain set) and the set's
+    own (probabilities, lse) from the forward: the joint probabilities are
+    p = p_own * exp(lse_own - L), and ds = p * (g.v - rowsum(g * out)). Returns dq
+    [B, H, C, Dh] and the rows' dk, dv [B, G, C, k, Dh]."""
+    own_probs, own_lse = own
+    scale = torch.exp(own_lse - tc).nan_to_num(0.0)     # 0 on rows that see none of the set
+    probs = own_probs * scale[..., None].to(qc.dtype)
+    row = (g * oc).sum(-1, keepdim=True)
+    ds = probs * (_gathered_scores(g, v) - row)
+    heads = k.shape[1]
+    return _gathered_values(ds, k), _grouped_outer(ds, qc, heads), _grouped_outer(probs, g, heads)
 
 
 def _sink_lse(sink: Tensor | None, like: Tensor) -> Tensor:
@@ -508,6 +554,8 @@ class _FlashRead(torch.autograd.Function):
     the fused backward per set with the joint output and L in place of the set's own: the kernel
     then recomputes the joint probabilities exp(s - L) and its row term rowsum(grad * out) is
     the joint one, which is exactly the gradient of the joint softmax (no term is missing).
+    A gathered top-k set (`_FlashSet.gathered`: its parents are the block's own rows) takes the
+    same two steps by grouped matmuls (`_gathered_read`, `_gathered_backward`).
 
     Why one node for all blocks: with a node per block, autograd would back-propagate each
     block's slice of q and of the shared K/V as a zero tensor the size of the whole parent,
@@ -519,12 +567,17 @@ class _FlashRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, sink, plan, *parents):
         outs, totals = [], []
+        own = {}      # a gathered set's own probabilities and lse, by its first parent
         for c0, c1, sets in plan:
             qc = q[:, :, c0:c1]
             reads, lses = [], []
             for fs in sets:
-                o, lse = _FLASH_FORWARD(qc, *_flash_kv(parents, fs), 0.0, fs.causal,
-                                        attn_mask=fs.mask, scale=1.0)
+                if fs.gathered:
+                    o, lse, probs = _gathered_read(qc, *_flash_kv(parents, fs), fs)
+                    own[fs.parent] = (probs, lse)
+                else:
+                    o, lse = _FLASH_FORWARD(qc, *_flash_kv(parents, fs), 0.0, fs.causal,
+                                            attn_mask=fs.mask, scale=1.0)
                 if fs.empty is not None:
                     lse = lse.masked_fill(fs.empty, -torch.inf)   # the kernel says 0 there
                 reads.append(o)
@@ -544,7 +597,7 @@ class _FlashRead(torch.autograd.Function):
             totals.append(total)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         total = totals[0] if len(totals) == 1 else torch.cat(totals, dim=2)
-        ctx.plan = plan
+        ctx.plan, ctx.own = plan, own
         ctx.save_for_backward(q, sink, out, total, *parents)
         ctx.mark_non_differentiable(total)
         return out, total
@@ -554,8 +607,11 @@ class _FlashRead(torch.autograd.Function):
         q, sink, out, total, *parents = ctx.saved_tensors
         wants = ctx.needs_input_grad
         grad_q = torch.zeros_like(q) if wants[0] else None
-        grad_parents = [torch.zeros_like(p) if p is not None and wants[3 + i] else None
-                        for i, p in enumerate(parents)]
+        # a gathered set's rows belong to one block: their gradient is assigned, not added
+        gathered = {i for _, _, sets in ctx.plan for fs in sets if fs.gathered
+                    for i in (fs.parent, fs.parent + 1)}
+        grad_parents = [torch.zeros_like(p) if p is not None and wants[3 + i]
+                        and i not in gathered else None for i, p in enumerate(parents)]
         grad_sink = torch.zeros_like(sink, dtype=total.dtype) \
             if sink is not None and wants[1] else None
         # last block first, the order in which autograd ran a node per block
@@ -566,12 +622,20 @@ class _FlashRead(torch.autograd.Function):
             qc, oc, tc = q[:, :, c0:c1], out[:, :, c0:c1].contiguous(), total[:, :, c0:c1]
             dq = None
             for fs in sets:
-                dq_set, dk, dv = _FLASH_BACKWARD(g, qc, *_flash_kv(parents, fs), oc, tc, 0.0,
-                                                 fs.causal, attn_mask=fs.mask, scale=1.0)
+                if fs.gathered:
+                    dq_set, dk, dv = _gathered_backward(g, qc, *_flash_kv(parents, fs), oc, tc,
+                                                        ctx.own[fs.parent])
+                    for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
+                        if wants[3 + i]:
+                            grad_parents[i] = d
+                else:
+                    dq_set, dk, dv = _FLASH_BACKWARD(g, qc, *_flash_kv(parents, fs), oc, tc,
+                                                     0.0, fs.causal, attn_mask=fs.mask,
+                                                     scale=1.0)
+                    for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
+                        if grad_parents[i] is not None:
+                            grad_parents[i][:, :, fs.start:fs.stop] += d
                 dq = dq_set if dq is None else dq + dq_set
-                for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
-                    if grad_parents[i] is not None:
-                        grad_parents[i][:, :, fs.start:fs.stop] += d
             if grad_q is not None:
                 grad_q[:, :, c0:c1] = dq
             if grad_sink is not None:
@@ -590,15 +654,28 @@ def _fused_kernel_takes(q: Tensor) -> bool:
 
 
 def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
+    """Whether `_FlashRead` takes these key sets: the fused kernel for plain sets, and its
+    grouped matmuls for gathered ones, in float32/float64 (in bf16 the reference's softmax over
+    the concatenated logits stays the one place that rounds them) and for more than one query
+    (one decode query: the reference's few small matmuls cost less than the node; measured
+    2026-12-03, a decode step of bench-peer's ced 55-61 ms by the reference, 67 ms in the
+    node). In a training forward the node saves the per-block slice gradients of q and of the
+    window K/V (bench-peer's ced_mq at 2 x 2048, same process, 8 paired steps: 7.05 s against
+    7.7 s)."""
     return _fused_kernel_takes(q) and all(
-        not ks.gathered and ks.k.dtype == q.dtype and ks.v.dtype == q.dtype for ks in key_sets)
+        ks.k.dtype == q.dtype and ks.v.dtype == q.dtype
+        and (not ks.gathered or (q.dtype in (torch.float32, torch.float64) and q.shape[2] > 1))
+        for ks in key_sets)
 
 
 def _set_probs(q: Tensor, ks: KeySet, total: Tensor) -> Tensor:
-    """The joint softmax's probabilities over one key set [B, H, C, S], recomputed from the
-    joint log-sum-exp `total` [B, H, C] (detached)."""
+    """The joint softmax's probabilities over one key set [B, H, C, S] (a gathered set: over
+    its slots, [B, H, C, k]), recomputed from the joint log-sum-exp `total` [B, H, C]
+    (detached)."""
     with torch.no_grad():
-        scores = torch.matmul(q, ks.k.transpose(-1, -2)).masked_fill(ks.hidden, -torch.inf)
+        scores = (_gathered_scores(q, ks.k) if ks.gathered
+                  else torch.matmul(q, ks.k.transpose(-1, -2)))
+        scores = scores.masked_fill(ks.hidden, -torch.inf)
         return torch.exp(scores - total[..., None].to(q.dtype))
 
 
@@ -672,7 +749,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     rules (which window keys a query sees, which global entries are visible and selected, how
     the three read forms mask them). Each block's rules become KeySets; the one softmax over
     all of them and the sink is taken by the fused CPU kernel for every block at once
-    (`_FlashRead`) or by `joint_read` per block (the reference, or a gathered top-k read): the
+    (`_FlashRead`) or by `joint_read` per block (the reference: bf16 gathers, other devices): the
     same quantity. Training, parallel evaluation and the engine all run through it.
     """
     b, h, n_queries, dh = q.shape
@@ -687,8 +764,9 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     entry_k = _per_query_head(source.k, h) if source is not None else None
     entry_v = _per_query_head(source.v, h) if source is not None else None
     # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
-    # (parent, start) for the fused read, None for a gathered set, the selection, masked)
-    blocks = []
+    # (parent, start) for the fused read (a gathered set: its own rows, parents 4 + 2i, 5 + 2i,
+    # kept in `gathered_rows`), the selection, masked)
+    blocks, gathered_rows = [], []
     for c0 in range(0, n_queries, block):
         c1 = min(c0 + block, n_queries)
         qpos = query_positions[c0:c1]
@@ -711,10 +789,10 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
                                                h // source.k.shape[1])
             if sparse and not masked:
-                key_sets.append(KeySet(_gather_entries(source.k, idx),
-                                       _gather_entries(source.v, idx), ~valid[:, None],
-                                       gathered=True))
-                spans.append(None)
+                rows = (_gather_entries(source.k, idx), _gather_entries(source.v, idx))
+                key_sets.append(KeySet(*rows, ~valid[:, None], gathered=True))
+                spans.append((4 + len(gathered_rows), 0))
+                gathered_rows.extend(rows)
             else:
                 if masked:
                     hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
@@ -736,7 +814,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                                if ks.width > 0)) for c0, c1, key_sets, spans, *_ in blocks]
         parents = (window.k if window is not None else None,
                    window.v if window is not None else None,
-                   entry_k, entry_v)
+                   entry_k, entry_v, *gathered_rows)
         result, total = _FlashRead.apply(q, sink, plan, *parents)
         if wants_mass:
             probs = [_set_probs(q[:, :, c0:c1], key_sets[-1], total[:, :, c0:c1])

@@ -89,7 +89,37 @@ def test_the_fused_kernel_is_the_one_that_runs_on_cpu(monkeypatch):
                       torch.randn(1, 2, 4, 3, 8, dtype=torch.float64),
                       torch.zeros(1, 1, 4, 3, dtype=torch.bool), gathered=True)
     joint_read(q, [gathered], sink)
-    assert not calls, "a gathered top-k read has per-query keys: only the reference reads it"
+    assert calls, "a gathered top-k set in float64 is read inside the fused node"
+    calls.clear()
+    one = KeySet(gathered.k[:, :, :1], gathered.v[:, :, :1], gathered.hidden[:, :, :1],
+                 gathered=True)
+    joint_read(q[:, :, :1], [one], sink)
+    assert not calls, "one query (a decode step): the reference reads a gathered set"
+    bf16 = KeySet(gathered.k.bfloat16(), gathered.v.bfloat16(), gathered.hidden, gathered=True)
+    joint_read(q.detach().bfloat16(), [bf16], sink.detach().bfloat16())
+    assert not calls, "in bf16 a gathered set stays with the reference"
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("plain_widths", [[], [6], [5, 9]])
+def test_gathered_sets_in_the_fused_node_agree_with_the_reference(seed, kv_heads, plain_widths):
+    """A gathered top-k set (per-query rows [B, G, C, k, Dh], G K/V heads for 4 query heads)
+    beside plain sets: outputs, its probabilities and every gradient (rows included) as the
+    reference computes them, including query rows that see none of its slots."""
+    q, sets, sink = random_key_sets(seed, batch=2, heads=4, queries=6, widths=plain_widths)
+    g = torch.Generator().manual_seed(100 + seed)
+    k = torch.randn(2, kv_heads, 6, 5, 8, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(2, kv_heads, 6, 5, 8, generator=g, dtype=torch.float64).requires_grad_()
+    hidden = torch.rand(2, 1, 6, 5, generator=g) < 0.4
+    hidden[:, :, 0] = True                           # no valid slot for query 0
+    sets.append(KeySet(k, v, hidden, gathered=True))
+    ref = run("reference", q, sets, sink, probs_of=len(sets) - 1)
+    fused = run("auto", q, sets, sink, probs_of=len(sets) - 1)
+    torch.testing.assert_close(fused[0], ref[0], rtol=0, atol=TOL)
+    torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=TOL)
+    for got, want in zip(fused[2], ref[2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 
 def test_unknown_kernel_is_rejected():
