@@ -326,7 +326,7 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _gather_entries(entries: Tensor, index: Tensor) -> Tensor:
-    """entries [B, H, E, Dh], index [B, C, k] -> [B, H, C, k, Dh], head-major so that the reads
+    """entries [B, G, E, Dh], index [B, C, k] -> [B, G, C, k, Dh], head-major so that the reads
     in `attend` are plain batched matmuls (an einsum over a [B, C, k, H, Dh] layout copies in
     its backward and ran at half the speed)."""
     b, h, e, dh = entries.shape
@@ -759,10 +759,9 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     causal = _plain_causal(q, query_positions, lower, window, source, sparse, first_entry)
     if causal:
         block = n_queries
-    # Global K/V per query head for the plain and masked reads (a gathered read copies the
-    # K/V heads' rows and groups the query heads itself).
-    entry_k = _per_query_head(source.k, h) if source is not None else None
-    entry_v = _per_query_head(source.v, h) if source is not None else None
+    # Global K/V per query head for the plain and masked reads, made when a block first needs
+    # them (a gathered read copies the K/V heads' rows and groups the query heads itself).
+    entry_k = entry_v = None
     # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
     # (parent, start) for the fused read (a gathered set: its own rows, parents 4 + 2i, 5 + 2i,
     # kept in `gathered_rows`), the selection, masked)
@@ -801,6 +800,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                     hidden = (entry[None, :] >= n_visible[c0:c1, None])[None, None]
                     if first_entry is not None:
                         hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
+                if entry_k is None:
+                    entry_k, entry_v = _per_query_head(source.k, h), _per_query_head(source.v, h)
                 key_sets.append(KeySet(entry_k[:, :, :n_read], entry_v[:, :, :n_read], hidden,
                                        causal=causal))
                 spans.append((2, 0))

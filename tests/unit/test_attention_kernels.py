@@ -141,20 +141,24 @@ def test_fused_read_in_bf16_is_close_to_the_reference():
     torch.testing.assert_close(fused.float(), ref, rtol=0, atol=2e-2)
 
 
-MODEL_CASES = [("dense", None), ("swa", None), ("yoco", None), ("ced", None), ("ced", 4)]
+# (variant, topk, extra config): "gather" reads every top-k block gathered, inside the fused
+# node in float64 (with 1 K/V head as well)
+MODEL_CASES = [("dense", None, {}), ("swa", None, {}), ("yoco", None, {}), ("ced", None, {}),
+               ("ced", 4, {}), ("ced", 4, {"global_read": "gather"}),
+               ("ced", 3, {"global_read": "gather", "global_kv_heads": 1})]
 
 
-@pytest.mark.parametrize("variant,topk", MODEL_CASES)
+@pytest.mark.parametrize("variant,topk,extra", MODEL_CASES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("starts", [True, False])
-def test_whole_model_agrees_between_kernels(variant, topk, seed, starts):
+def test_whole_model_agrees_between_kernels(variant, topk, extra, seed, starts):
     """Logits, indexer KL and every parameter gradient, with or without document starts and
     per-row decoder replay starts (without them, dense and yoco's decoder take the one-block
     causal form), query blocks that cut windows, in float64."""
     torch.manual_seed(seed)
     cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=4,
                       n_decoder_layers=2, encoder_kv_groups=2, window=5, topk=topk,
-                      decoder_reindex_every=1, attention_block=7, shift_tokens=2)
+                      decoder_reindex_every=1, attention_block=7, shift_tokens=2, **extra)
     model = CEDModel(cfg).double()
     with torch.no_grad():
         for block in model.blocks:
