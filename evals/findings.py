@@ -7,13 +7,13 @@ example and mode; `divergence/divergence.parquet`; `runs/<job>/seed<k>/final/con
 writes into --out:
 
   accuracy.csv          per job x family x x (distance, or `all` pooled over x) x mode: the
-                        accuracy pooled over seeds with its Wilson 95% CI, the mean over seeds
-                        and each seed's accuracy
+                        accuracy pooled over seeds with its Wilson 95% CI, its seed-level CI,
+                        the mean over seeds and each seed's accuracy
   capability_drop.csv   every mode against `full` on the same examples, pooled over seeds: the
                         paired difference (mode - full) with its 95% CI (Agresti-Min: the
                         paired Wald interval with 0.5 added to each cell), the exact McNemar
                         p-value and its Holm correction over the x of one job x family x mode;
-                        and beside it each seed's difference and p-value
+                        the seed-level CI and p (below); and each seed's difference and p-value
   competence.csv        per job x family: `full` accuracy pooled over seeds and distances, and
                         whether the exact model is competent (>= COMPETENT) there, so that a
                         drop is only read where there is something to lose
@@ -38,6 +38,14 @@ writes into --out:
   kl_vs_N.png           KL against N per job (at a prompt cut; at the answer, per family),
                         next to the accuracy drop of the same N (pooled over families the
                         exact model is competent in)
+  model_drops.csv       the trained model as the unit (evals.per_model): per job x seed x
+                        family x replay mode, the model's own paired drop, McNemar p, Holm over
+                        the families it is competent in, and whether it fails
+  failure_rate.csv      per job x replay mode: models that fail, with the exact Clopper-Pearson
+                        95% CI of the rate
+  n_star.csv            one row per model: job, arm, seed, L_d, W, R_exact, N* (the smallest N
+                        from W to R_exact within 0.5 point and 0.01 nats on every competent
+                        family), the drop and failure at N = W
   provenance.json       the study's commands, git commits and step times (summary.json)
   findings.md           the tables above in Markdown, for FINDINGS.md, headed by the
                         provenance
@@ -45,6 +53,15 @@ writes into --out:
 Pooling over seeds pairs examples within a seed (the same document under `full` and under the
 mode, on the same checkpoint); the seeds' checkpoints differ, so the pooled test asks whether
 the recipe, not one checkpoint, loses accuracy at N.
+
+Two levels of confidence interval. The example-level CI (`ci_low`, `ci_high`) treats every
+example as independent, which holds within one checkpoint but not across them: the trained
+model is the unit of replication. The seed-level CI (`seed_ci_low`, `seed_ci_high`) is a
+hierarchical bootstrap (draw the seeds with replacement, then each drawn seed's examples;
+`evals.suites.stats.hierarchical_bootstrap`), and `seed_p` the two-sided p of a t test over the
+seeds' own differences. With 3 seeds the bootstrap has only 10 distinct seed draws and is
+narrow; read `seed_p` beside it. `seeds` says how many trained models a row rests on. A claim
+that only the example-level CI supports is a claim about those checkpoints, not the recipe.
 """
 
 from __future__ import annotations
@@ -59,12 +76,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from evals import plots
-from evals.suites.stats import binomial_two_sided, holm, wilson_interval
+from evals import per_model, plots
+from evals.suites.stats import (binomial_two_sided, hierarchical_bootstrap, holm,
+                                percentile_interval, seed_t_test, wilson_interval)
 
 FULL = "full"
 COMPETENT = 0.9            # `full` accuracy from which a family's drop is read as a finding
 Z95 = 1.959963984540054
+BOOTSTRAP_RESAMPLES = 2000
 # `<job>/seed<k>` plus the evaluation-time overrides of the study driver: `@topk=K`, `@kv=SPEC`
 _LABEL = re.compile(r"^(?P<job>[^/]+)/seed(?P<seed>\d+)(?P<variant>(?:@(?:topk|kv)=[^@/]+)*)$")
 
@@ -121,8 +140,9 @@ def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
         per_seed = part.groupby("train_seed")["correct"].mean()
         correct, n = int(part["correct"].sum()), len(part)
         low, high = wilson_interval(correct, n)
-        rows.append({**dict(zip(keys, key)), "seeds": len(per_seed), "n": n,
+        rows.append({**dict(zip(keys, key)), "n": n,
                      "accuracy": correct / n, "ci_low": low, "ci_high": high,
+                     **_seed_level_mean(part, "correct", BOOTSTRAP_RESAMPLES),
                      "seed_mean": per_seed.mean(), "seed_min": per_seed.min(),
                      "seed_max": per_seed.max(),
                      "per_seed": " ".join(f"{v:.3f}" for v in per_seed.values)})
@@ -175,15 +195,35 @@ def capability_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.Data
             for seed, seed_part in pair.groupby("train_seed"):
                 sb, sc, sn = _discordant(seed_part)
                 seeds.append((seed, (sc - sb) / sn if sn else math.nan,
-                              binomial_two_sided(sb, sb + sc)))
+                              binomial_two_sided(sb, sb + sc), (sb, sc, sn)))
             rows.append({"job": job, "family": family, "x": x, "mode": mode, "n": n,
                          "acc_full": full["correct"].mean(),
                          "acc_mode": part[part["mode"] == mode]["correct"].mean(),
                          "difference": diff, "ci_low": low, "ci_high": high,
                          "full_only": b, "mode_only": c, "p_value": binomial_two_sided(b, b + c),
-                         "per_seed_difference": " ".join(f"{d:+.3f}" for _, d, _ in seeds),
-                         "per_seed_p": " ".join(f"{p:.3g}" for _, _, p in seeds)})
+                         **seed_level_columns([s[3] for s in seeds]),
+                         "per_seed_difference": " ".join(f"{s[1]:+.3f}" for s in seeds),
+                         "per_seed_p": " ".join(f"{s[2]:.3g}" for s in seeds)})
     return _drop_table(rows, alpha)
+
+
+def paired_values(b: int, c: int, n: int) -> np.ndarray:
+    """The n per-example paired differences (mode - full) behind counts b (full right, mode
+    wrong: -1), c (mode right, full wrong: +1) and the concordant rest (0)."""
+    return np.concatenate([np.full(b, -1.0), np.full(c, 1.0), np.zeros(n - b - c)])
+
+
+def seed_level_columns(per_seed: list, resamples: int = BOOTSTRAP_RESAMPLES,
+                       seed: int = 0) -> dict:
+    """The model-level columns of a paired difference, from each seed's (b, c, n):
+    `seed_ci_low`/`seed_ci_high`, the hierarchical-bootstrap 95% CI of the mean over seeds of
+    each seed's difference (seeds, then examples within a seed; `stats.hierarchical_bootstrap`),
+    and `seed_p`, the two-sided p of a t test over the seeds' differences (NaN with one seed).
+    `seeds` is how many trained models the row rests on."""
+    groups = [paired_values(b, c, n) for b, c, n in per_seed if n]
+    low, high = percentile_interval(hierarchical_bootstrap(groups, resamples, seed))
+    _, _, p = seed_t_test([g.mean() for g in groups])
+    return {"seeds": len(groups), "seed_ci_low": low, "seed_ci_high": high, "seed_p": p}
 
 
 def _drop_table(rows: list[dict], alpha: float) -> pd.DataFrame:
@@ -225,17 +265,19 @@ def reference_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.DataF
             for _, seed_part in part.groupby("train_seed"):
                 sm, sr = seed_part["correct"].astype(bool), seed_part["correct_ref"].astype(bool)
                 sb, sc = int((sr & ~sm).sum()), int((sm & ~sr).sum())
-                seeds.append(((sc - sb) / len(seed_part), binomial_two_sided(sb, sb + sc)))
+                seeds.append(((sc - sb) / len(seed_part), binomial_two_sided(sb, sb + sc),
+                              (sb, sc, len(seed_part))))
             rows.append({"job": job, "family": family, "x": str(x), "mode": mode, "n": n,
                          "acc_full": ref.mean() if n else math.nan,
                          "acc_mode": mine.mean() if n else math.nan, "difference": diff,
                          "ci_low": low, "ci_high": high, "full_only": b, "mode_only": c,
                          "p_value": binomial_two_sided(b, b + c),
+                         **seed_level_columns([t for _, _, t in seeds]),
                          "agree": float((part["prediction"].astype(str)
                                          == part["prediction_ref"].astype(str)).mean())
                          if n else math.nan,
-                         "per_seed_difference": " ".join(f"{d:+.3f}" for d, _ in seeds),
-                         "per_seed_p": " ".join(f"{p:.3g}" for _, p in seeds)})
+                         "per_seed_difference": " ".join(f"{d:+.3f}" for d, _, _ in seeds),
+                         "per_seed_p": " ".join(f"{p:.3g}" for _, p, _ in seeds)})
     return _drop_table(rows, alpha)
 
 
@@ -243,7 +285,7 @@ def competence_table(accuracy: pd.DataFrame) -> pd.DataFrame:
     """`full` accuracy per job x family pooled over distances and seeds, and competence."""
     full = accuracy[(accuracy["mode"] == FULL) & (accuracy["x"] == "all")]
     table = full[["job", "family", "seeds", "n", "accuracy", "ci_low", "ci_high",
-                  "per_seed"]].copy()
+                  "seed_ci_low", "seed_ci_high", "per_seed"]].copy()
     table["competent"] = table["accuracy"] >= COMPETENT
     return table.reset_index(drop=True)
 
@@ -265,9 +307,19 @@ def divergence_table(study: Path, seed: int = 0, resamples: int = 2000) -> pd.Da
         per_seed = part.groupby("train_seed")["value"].mean()
         rows.append({"job": job, "T": t, "mode": mode, "metric": metric, "n": len(values),
                      "mean": values.mean(), "ci_low": np.quantile(boots, 0.025),
-                     "ci_high": np.quantile(boots, 0.975), "seeds": len(per_seed),
+                     "ci_high": np.quantile(boots, 0.975),
+                     **_seed_level_mean(part, "value", resamples),
                      "per_seed": " ".join(f"{v:.3g}" for v in per_seed.values)})
     return _sorted(pd.DataFrame(rows), keys=("job", "T", "metric"))
+
+
+def _seed_level_mean(part: pd.DataFrame, column: str, resamples: int) -> dict:
+    """`seeds` and the hierarchical-bootstrap 95% CI (`seed_ci_low`, `seed_ci_high`) of the mean
+    over seeds of each seed's mean of `column` (the model-level CI beside an example-level
+    one)."""
+    groups = [g[column].to_numpy(dtype=float) for _, g in part.groupby("train_seed")]
+    low, high = percentile_interval(hierarchical_bootstrap(groups, resamples))
+    return {"seeds": len(groups), "seed_ci_low": low, "seed_ci_high": high}
 
 
 def answer_kl_table(results: pd.DataFrame, seed: int = 0,
@@ -288,6 +340,7 @@ def answer_kl_table(results: pd.DataFrame, seed: int = 0,
         rows.append({"job": job, "family": family, "mode": mode, "n": len(values),
                      "mean": values.mean(), "ci_low": np.quantile(boots, 0.025),
                      "ci_high": np.quantile(boots, 0.975),
+                     **_seed_level_mean(part, "kl_answer", resamples),
                      "per_seed": " ".join(f"{v:.3g}" for v in per_seed.values)})
     return _sorted(pd.DataFrame(rows), keys=("job", "family"))
 
@@ -398,6 +451,51 @@ def geometry(study: Path) -> dict[str, dict]:
     return out
 
 
+def run_traits(study: Path) -> pd.DataFrame:
+    """Per trained model (`runs/<job>/seed<k>/config.yaml`): job, seed, L_d (decoder layers),
+    W, shift_tokens, the replay-simulation probability and length it was trained with, and
+    `arm`: `sim` (replay simulation on) or `no_sim`, with `+shift<s>` when the model mixes input
+    tokens. Empty when the study has no run configs."""
+    from omegaconf import OmegaConf
+    rows = []
+    for path in sorted((study / "runs").glob("*/seed*/config.yaml")):
+        match = re.fullmatch(r"seed(\d+)", path.parent.name)
+        if match is None:
+            continue
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        model, replay = cfg.get("model", {}), cfg.get("train", {}).get("replay", {})
+        probability = float(replay.get("probability") or 0.0)
+        shift = int(model.get("shift_tokens") or 0)
+        arm = ("sim" if probability > 0 else "no_sim") + (f"+shift{shift}" if shift else "")
+        rows.append({"job": path.parent.parent.name, "seed": int(match.group(1)),
+                     "L_d": model.get("n_decoder_layers"), "W": model.get("window"),
+                     "shift_tokens": shift, "replay_probability": probability,
+                     "replay_length": replay.get("length") if probability > 0 else None,
+                     "arm": arm})
+    return pd.DataFrame(rows)
+
+
+def per_model_tables(results: pd.DataFrame, study: Path, marks: dict,
+                     alpha: float = 0.05) -> dict[str, pd.DataFrame]:
+    """The trained model as the unit (`evals.per_model`): `model_drops` (per model x family x
+    replay mode), `failure_rate` (per job x mode: models failed, Clopper-Pearson CI) and
+    `n_star` (one row per model: job, arm, seed, L_d, W, R_exact, N*, the drop and failure at
+    N = W). Empty tables when no mode has a replay length."""
+    drops = per_model.model_drops(results, marks, alpha)
+    if drops.empty:
+        return {"model_drops": drops, "failure_rate": drops, "n_star": drops}
+    star = per_model.n_star(drops, marks)
+    traits = run_traits(study)
+    if not traits.empty:
+        star = star.merge(traits[["job", "seed", "arm", "L_d"]], on=["job", "seed"], how="left")
+    else:
+        star = star.assign(arm=None, L_d=None)
+    first = ["job", "arm", "seed", "L_d", "W", "R_exact", "N_star", "drop_at_W", "failed_at_W"]
+    star = star[first + [c for c in star.columns if c not in first]]
+    return {"model_drops": drops, "failure_rate": per_model.failure_rates(drops),
+            "n_star": star}
+
+
 def provenance(study: Path) -> dict:
     """Where the numbers come from, from the driver's summary.json: the study, scale and seeds,
     every invocation (command, git commit, whether the tree was dirty, wall time) and the
@@ -486,12 +584,14 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     answer_kl = answer_kl_table(results)
     against_base = reference_drop_table(results, alpha)
     needle_ids = needle_id_table(results, _load_needle_documents(study))
+    models = per_model_tables(results, study, marks, alpha)
     written = {}
+    optional = ("override_drop", "needle_ids", "model_drops", "failure_rate", "n_star")
     for name, table in (("accuracy", accuracy), ("capability_drop", drops),
                         ("competence", competence), ("divergence", divergence),
                         ("answer_kl", answer_kl), ("override_drop", against_base),
-                        ("needle_ids", needle_ids)):
-        if name in ("override_drop", "needle_ids") and table.empty:
+                        ("needle_ids", needle_ids), *models.items()):
+        if name in optional and table.empty:
             continue
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
@@ -516,10 +616,11 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
           f"Geometry per job: {json.dumps(marks)}", "",
           "## Competence of the exact model (`full`, pooled over distances and seeds)", "",
           _markdown(competence, ["job", "family", "seeds", "n", "accuracy", "ci_low", "ci_high",
-                                 "per_seed", "competent"]),
+                                 "seed_ci_low", "seed_ci_high", "per_seed", "competent"]),
           "## Capability drop pooled over distances (mode - full, paired, pooled over seeds)",
-          "", _markdown(pooled_drops, ["job", "family", "mode", "n", "acc_full", "acc_mode",
-                                       "difference", "ci_low", "ci_high", "p_value",
+          "", _markdown(pooled_drops, ["job", "family", "mode", "seeds", "n", "acc_full",
+                                       "acc_mode", "difference", "ci_low", "ci_high",
+                                       "seed_ci_low", "seed_ci_high", "p_value", "seed_p",
                                        "per_seed_difference", "per_seed_p"]),
           "## Significant drops at single distances (Holm over distances, p < "
           f"{alpha})", "",
@@ -539,14 +640,25 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
               _markdown(needle_ids, ["job", "slice", "n", "accuracy", "ci_low", "ci_high",
                                      "per_seed", "wrong", "one_wrong_digit",
                                      "digit_from_nearest", "other_line_code"])]),
+          *([] if models["failure_rate"].empty else [
+              "## Models that fail (the trained model as the unit: a significant drop, Holm "
+              f"over its competent families, larger than {per_model.FAIL_MIN_DROP:g}; "
+              "Clopper-Pearson 95% CI)", "",
+              _markdown(models["failure_rate"], ["job", "mode", "N", "models", "failed", "rate",
+                                                 "rate_low", "rate_high", "failed_seeds"]),
+              "## N* per model (smallest N from W with every competent family within "
+              f"{per_model.STAR_MAX_DROP:g} of `full` and answer KL <= "
+              f"{per_model.STAR_MAX_KL:g} nats)", "",
+              _markdown(models["n_star"], ["job", "arm", "seed", "L_d", "W", "R_exact",
+                                           "N_star", "drop_at_W", "failed_at_W", "grid"])]),
           "## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
           "examples and seeds, bootstrap 95% CI)", "",
-          _markdown(answer_kl, ["job", "family", "mode", "n", "mean", "ci_low", "ci_high",
-                                "per_seed"], 3),
+          _markdown(answer_kl, ["job", "family", "mode", "seeds", "n", "mean", "ci_low",
+                                "ci_high", "seed_ci_low", "seed_ci_high", "per_seed"], 3),
           "## First-token divergence at a validation prompt's cut (mean over prompts and "
           "seeds, bootstrap 95% CI)", "",
-          _markdown(divergence, ["job", "T", "mode", "metric", "n", "mean", "ci_low", "ci_high",
-                                 "per_seed"], 3)]
+          _markdown(divergence, ["job", "T", "mode", "metric", "seeds", "n", "mean", "ci_low",
+                                 "ci_high", "seed_ci_low", "seed_ci_high", "per_seed"], 3)]
     written["findings"] = out / "findings.md"
     written["findings"].write_text("\n".join(md))
     return written

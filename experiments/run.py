@@ -76,6 +76,7 @@ class DriverConfig:
     only: str = "all"
     on_change: str = "refuse"
     reuse: Optional[List[str]] = None
+    jobs: Optional[List[str]] = None
 
     def check(self) -> None:
         if self.study in ("???", "", None):
@@ -117,8 +118,14 @@ def training_overrides(spec: StudyConfig, job_name: str, seed: int) -> list[str]
     (normalised, without bookkeeping keys): the input of the training step's config hash, and
     what `reuse=` matches across studies."""
     job = next(j for j in spec.jobs if j.name == job_name)
-    items = [*spec.train, *job.overrides, f"train.seed={seed}"]
-    return normalise_overrides([o for o in items if not _is_bookkeeping(o)])
+    return normalise_overrides([o for o in [*spec.train, *job.overrides, *seed_overrides(spec, seed)]
+                                if not _is_bookkeeping(o)])
+
+
+def seed_overrides(spec: StudyConfig, seed: int) -> list[str]:
+    """What a run's seed sets: `train.seed` (the initial weights, the replay-simulation draws)
+    and, with the study's `seed_data`, `data.seed` too (the training rows)."""
+    return [f"train.seed={seed}", *([f"data.seed={seed}"] if spec.seed_data else [])]
 
 
 def source_version() -> dict[str, Any]:
@@ -180,12 +187,19 @@ def suite_arguments(spec, ref, own, topk: Any = None, kv: Any = None) -> list[st
     # the reference's, as its own would drop R_exact.
     replays = [v for v in resolve_lengths(list(spec.replay), own if own.has_decoder else ref)
                if v != "exact"]
+    if spec.below_exact and own.has_decoder:
+        from ced import exact_replay_length
+        replays = [v for v in replays if v < exact_replay_length(own)] or replays[:1]
     settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),
                 *[str(a) for a in spec.args]]
     if spec.families:
         settings += ["--families", *spec.families]
     if spec.turns:
         settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), own))]
+    if spec.sweep_replay:
+        sweep = [v for v in resolve_lengths(list(spec.sweep_replay),
+                                            own if own.has_decoder else ref) if v != "exact"]
+        settings += ["--sweep-replays", *map(str, sweep)]
     if spec.distances:
         distances = [d for d in resolve_lengths(list(spec.distances), ref) if d != "exact"]
         settings += ["--distances", *map(str, distances)]
@@ -244,8 +258,15 @@ class Study:
 
     def __init__(self, spec: StudyConfig, out: Path, threads: int, wandb: bool = True,
                  group: str | None = None, project: str = "ced", on_change: str = "refuse",
-                 reuse: list[Path] | None = None):
+                 reuse: list[Path] | None = None, jobs: list[str] | None = None):
         self.spec, self.out, self.threads, self.wandb = spec, out, threads, wandb
+        known = [j.name for j in spec.jobs]
+        unknown = sorted(set(jobs or []) - set(known))
+        if unknown:
+            raise StudyError(f"jobs: no job(s) {unknown} in study {spec.name}; its jobs: {known}")
+        # jobs=[...]: train and suite-evaluate only these (the divergence step and the report
+        # always cover every finished run of the study)
+        self.jobs = list(jobs) if jobs else None
         self.reuse = [Path(p).resolve() for p in reuse or []]
         self.group, self.project, self.on_change = group or spec.name, project, on_change
         self.status: dict[str, dict] = {}
@@ -281,10 +302,12 @@ class Study:
             "invocations": [*self.invocations, {**self.invocation, "elapsed_s": round(
                 time.time() - self.started, 1)}]}, indent=1))
 
-    def runs(self) -> list[tuple[str, int, str]]:
-        """(job, seed, label) of every training run, label = '<job>/seed<k>'."""
+    def runs(self, all_jobs: bool = False) -> list[tuple[str, int, str]]:
+        """(job, seed, label) of every training run, label = '<job>/seed<k>'; only the jobs of
+        `jobs=` unless `all_jobs`."""
         return [(job.name, seed, f"{job.name}/seed{seed}")
-                for job in self.spec.jobs for seed in self.spec.seeds]
+                for job in self.spec.jobs for seed in self.spec.seeds_of(job)
+                if all_jobs or self.jobs is None or job.name in self.jobs]
 
     def run_dir(self, label: str) -> Path:
         return self.out / "runs" / label
@@ -293,10 +316,11 @@ class Study:
         """What the run trains (`training_overrides`)."""
         return training_overrides(self.spec, job_name, seed)
 
-    def checkpoints(self) -> dict[str, tuple[Path, str]]:
-        """label -> (final/, its training hash) of every run that finished training."""
+    def checkpoints(self, all_jobs: bool = False) -> dict[str, tuple[Path, str]]:
+        """label -> (final/, its training hash) of every run that finished training (of the
+        `jobs=` jobs unless `all_jobs`)."""
         out = {}
-        for job, seed, label in self.runs():
+        for job, seed, label in self.runs(all_jobs):
             run_dir = self.run_dir(label)
             final = run_dir / "final"
             stamp = _read_stamp(run_dir)
@@ -395,7 +419,7 @@ class Study:
                 continue
             _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
                                    "seed": seed})
-            overrides = [*self.spec.train, *job.overrides, f"train.seed={seed}",
+            overrides = [*self.spec.train, *job.overrides, *seed_overrides(self.spec, seed),
                          f"train.threads={self.threads}", "train.resume=auto",
                          f"logging.project={self.project}", f"logging.group={self.group}",
                          f"logging.name={self.spec.name}-{job_name}-seed{seed}",
@@ -441,7 +465,7 @@ class Study:
         spec, key = self.spec.divergence, "divergence"
         if spec is None:
             return
-        checkpoints = self.checkpoints()
+        checkpoints = self.checkpoints(all_jobs=True)
         from ced.checkpoint import load_config
         usable = {label: (p, h) for label, (p, h) in checkpoints.items()
                   if load_config(p).has_decoder}
@@ -556,7 +580,8 @@ def run_study(opts: DriverConfig) -> int:
     out = Path(opts.out or ROOT / "outputs" / "studies" / spec.name).resolve()
     threads = int(opts.threads or min(os.cpu_count() or 1, 8))
     study = Study(spec, out, threads, wandb=opts.wandb, group=opts.group,
-                  project=opts.project, on_change=opts.on_change, reuse=opts.reuse)
+                  project=opts.project, on_change=opts.on_change, reuse=opts.reuse,
+                  jobs=opts.jobs)
     old = out / "summary.json"
     if old.exists():   # keep the record of steps this invocation does not redo
         try:
@@ -565,8 +590,12 @@ def run_study(opts: DriverConfig) -> int:
             study.invocations = list(record.get("invocations", []))
         except ValueError:
             pass
-    print(f"[study] {spec.name} (scale={spec.scale}): {len(spec.jobs)} jobs x seeds "
-          f"{list(spec.seeds)} -> {out}", flush=True)
+    per_job = {j.name: spec.seeds_of(j) for j in spec.jobs
+               if study.jobs is None or j.name in study.jobs}
+    seeds = (f"seeds {list(spec.seeds)}" if all(s == list(spec.seeds) for s in per_job.values())
+             else "seeds " + ", ".join(f"{name} {s}" for name, s in per_job.items()))
+    print(f"[study] {spec.name} (scale={spec.scale}): {len(per_job)} jobs x {seeds} -> {out}",
+          flush=True)
     if opts.only == "plan":
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(OmegaConf.structured(spec)), flush=True)

@@ -29,10 +29,14 @@ class StudyError(ValueError):
 
 @dataclass
 class JobSpec:
-    """One training job: its name (the run directory) and its `ced.train` overrides."""
+    """One training job: its name (the run directory), its `ced.train` overrides and,
+    optionally, its own seeds (null: the study's). A scale's `seeds` or the driver's `seeds=`
+    replace every job's seeds, so a study can train 8 seeds of one job and 4 of another at
+    its findings scale and one of each at its demo scale."""
 
     name: str = MISSING
     overrides: List[str] = field(default_factory=list)
+    seeds: Optional[List[int]] = None
 
 
 @dataclass
@@ -52,6 +56,13 @@ class SuiteSpec:
     # extra distances for the distance families (ints or W forms, R_exact), on top of the sweep
     # each model's own geometry gives: lets variants of different geometry share distances
     distances: List[Any] = field(default_factory=list)
+    # the replay lengths (ints or W forms, resolved per model) around which the sweeps place
+    # their points; empty: every `replay`. Lets a long grid of modes read one set of documents.
+    sweep_replay: List[Any] = field(default_factory=list)
+    # drop replay lengths at or above each model's R_exact (they are exact; replay=exact, which
+    # is always run, stands for them): a grid such as W ... 16W then stops at every model's own
+    # R_exact
+    below_exact: bool = False
     args: List[str] = field(default_factory=list)              # passed through verbatim
 
 
@@ -74,6 +85,9 @@ class StudyConfig:
     name: str = MISSING
     description: str = ""
     seeds: List[int] = field(default_factory=lambda: [0])
+    # true: a run's seed also seeds its training data (data.seed), so that seeds replicate the
+    # recipe over data order as well as initial weights; false: every seed sees the same rows
+    seed_data: bool = False
     presets: List[str] = field(default_factory=list)  # conf/experiment/presets/<name>.yaml
     train: List[str] = field(default_factory=list)
     jobs: List[JobSpec] = MISSING
@@ -81,6 +95,10 @@ class StudyConfig:
     suite: Optional[SuiteSpec] = None
     scales: Dict[str, ScaleSpec] = field(default_factory=dict)
     scale: str = "demo"             # set by the loader: the scale applied
+
+    def seeds_of(self, job: JobSpec) -> List[int]:
+        """The seeds `job` is trained with: its own, else the study's."""
+        return list(job.seeds) if job.seeds is not None else list(self.seeds)
 
 
 # Keys of the file itself (`scale` is the loader's, not the file's).
@@ -203,6 +221,12 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
         study.seeds = list(extra.seeds)
     if seeds is not None:
         study.seeds = list(seeds)
+    for job in study.jobs:
+        if extra.seeds is not None or seeds is not None:
+            job.seeds = None          # a scale's or the driver's seeds replace the job's own
+        elif job.seeds is not None and (not job.seeds or len(set(job.seeds)) != len(job.seeds)):
+            raise StudyError(f"{where}jobs[{job.name}].seeds: need at least one seed and "
+                             f"distinct seeds; got {job.seeds}")
     names = [j.name for j in study.jobs]
     if not names or len(set(names)) != len(names):
         raise StudyError(f"{where}jobs: need at least one job and distinct names; got {names}")

@@ -257,7 +257,7 @@ def points_multihop(s: Any) -> list[Point]:
     sep = TASKS["variable_tracking"].defaults["sep"]     # the suite writes the default format
     step = _statement_width(sep) + spread    # statement k lies at distance d - k * step
     wanted = set()
-    for n in s.replays:
+    for n in s.point_replays:
         # j chain statements (literal first) beyond the replay start, j = 0 .. hops + 1
         wanted |= {n + j * step for j in range(hops + 2)}
     if s.r_exact is not None:
@@ -375,7 +375,7 @@ def _running(kind: str) -> Callable[[Any], list[Point]]:
         # `|` lies at distance M + 2: M + 2 in {N-1, N, N+1} puts the start of the counted
         # window just inside / at / just outside the replay.
         targets = {s.window + 2}
-        for n in s.replays:
+        for n in s.point_replays:
             targets |= {n - 1, n, n + 1}
         windows = sorted({d - 2 for d in targets if d - 2 >= 1})
         windows = [m for m in windows if m + 3 + SLACK <= s.length_cap]

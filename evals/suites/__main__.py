@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cap on prompt length (default: max_seq_len - 8)")
     p.add_argument("--needle-distractors", type=int, default=None,
                    help="default: topk + 1")
+    p.add_argument("--sweep-replays", type=int, nargs="+", default=None, metavar="N",
+                   help="place the distance and window sweeps' points around these replay "
+                        "lengths only (default: every --replay); every --replay is still "
+                        "evaluated on every document")
     p.add_argument("--topk", default=None, help="override the checkpoint's top-k (int or 'all')")
     p.add_argument("--kv", default=None,
                    help="override KV storage formats, e.g. window:fp8,global:fp4_block16,"
@@ -75,7 +79,8 @@ def main(argv=None) -> int:
             families=args.families, turns=args.turns, batch_size=args.batch_size,
             dtype=args.dtype, device=args.device, topk=args.topk, kv=args.kv,
             extra_distances=args.distances, max_length=args.max_length,
-            needle_distractors=args.needle_distractors, alpha=args.alpha,
+            needle_distractors=args.needle_distractors,
+            sweep_replays=args.sweep_replays, alpha=args.alpha,
             seed_offset=args.seed_offset, make_plot=not args.no_plot, wandb=args.wandb,
             wandb_project=args.wandb_project, wandb_group=args.wandb_group,
             progress=not args.quiet)

@@ -55,6 +55,15 @@ class SuiteSettings:
     extra_distances: tuple[int, ...] = ()
     max_length: int | None = None   # cap on prompt length (default max_seq_len - ANSWER_ROOM)
     needle_distractors: int | None = None
+    # the replay lengths around which the distance and window sweeps place their points
+    # (N-1, N, N+1); None: every replay under test. A long grid of modes (e.g. W ... R_exact
+    # for N*) then reads one fixed set of documents instead of adding points at every N.
+    sweep_replays: tuple[int, ...] | None = None
+
+    @property
+    def point_replays(self) -> tuple[int, ...]:
+        """The replay lengths the sweeps place points around (`sweep_replays` or `replays`)."""
+        return self.replays if self.sweep_replays is None else self.sweep_replays
     multihop_spread: int = 4
 
     @classmethod
@@ -65,6 +74,11 @@ class SuiteSettings:
             raise ValueError(f"replays: need at least one N >= 1; got {replays}")
         r_exact = exact_replay_length(cfg) if cfg.has_decoder else None
         turns = tuple(sorted({int(t) for t in turns})) or (max(1, replays[0] // 2),)
+        if kw.get("sweep_replays") is not None:
+            sweep = tuple(sorted({int(n) for n in kw["sweep_replays"]}))
+            if not sweep or sweep[0] < 1:
+                raise ValueError(f"sweep_replays: need at least one N >= 1; got {sweep}")
+            kw["sweep_replays"] = sweep
         return cls(replays=replays, window=cfg.window, block=cfg.encoder_compress_ratio,
                    decoder_block=cfg.decoder_compress_ratio, r_exact=r_exact, topk=cfg.topk,
                    max_seq_len=cfg.max_seq_len, variant=cfg.variant, turns=turns, **kw)
@@ -78,7 +92,7 @@ class SuiteSettings:
         """The distance sweep: 1, N-1, N, N+1 for each N, W, and R_exact-1, R_exact,
         R_exact+1, 2 R_exact (answerable only through the global KV beyond R_exact)."""
         d = {1, self.window, *self.extra_distances}
-        for n in self.replays:
+        for n in self.point_replays:
             d |= {n - 1, n, n + 1}
         if self.r_exact is not None:
             r = self.r_exact

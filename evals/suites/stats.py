@@ -1,9 +1,20 @@
-"""Small exact statistics for accuracy tables: Wilson intervals, the exact McNemar test on
-paired outcomes, and Holm's step-down adjustment. Pure Python (no scipy)."""
+"""Statistics for accuracy tables, at two levels of replication.
+
+Example level (the examples of one trained model, or of several pooled as if independent):
+Wilson intervals, the exact McNemar test on paired outcomes, Holm's step-down adjustment
+(pure Python; tests/unit/test_stats.py checks them against scipy).
+
+Model level (the trained model, i.e. the training seed, as the unit): a hierarchical bootstrap
+(seeds, then examples within each drawn seed), a t interval over per-seed means, and the exact
+Clopper-Pearson interval of a rate such as "models that fail at N = W" (scipy).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
@@ -52,3 +63,75 @@ def holm(p_values: list[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * p_values[i]))
         adjusted[i] = running
     return adjusted
+
+
+def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper-Pearson) interval of a binomial proportion k / n, e.g. the share of
+    trained models that fail; `scipy.stats.binomtest(k, n).proportion_ci(method="exact")`.
+    n = 0 gives (0, 1)."""
+    if not 0 <= k <= n:
+        raise ValueError(f"clopper_pearson: need 0 <= k <= n; got k={k}, n={n}")
+    if n == 0:
+        return 0.0, 1.0
+    from scipy.stats import binomtest
+    ci = binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def hierarchical_bootstrap(groups: Sequence[Sequence[float]], resamples: int = 2000,
+                           seed: int = 0) -> np.ndarray:
+    """Bootstrap distribution of the mean over groups of the mean within a group, resampling
+    both levels: each replicate draws len(groups) groups with replacement (the trained models,
+    i.e. seeds), then, independently for every drawn slot, that group's values with
+    replacement (its examples). Every group weighs the same, whatever its size: the model is
+    the unit. Returns the `resamples` replicate statistics, shape [resamples].
+
+    Drawing a group's values with replacement is a multinomial draw over its distinct values,
+    so a paired difference in {-1, 0, +1} costs three categories, not n draws. Empty groups
+    are dropped; no group at all gives an empty array."""
+    rng = np.random.default_rng(seed)
+    compact = []
+    for values in groups:
+        values = np.asarray(values, dtype=float)
+        if values.size:
+            distinct, counts = np.unique(values, return_counts=True)
+            compact.append((distinct, counts / values.size, values.size))
+    if not compact or resamples < 1:
+        return np.empty(0)
+    n_groups = len(compact)
+    picks = rng.integers(0, n_groups, size=(resamples, n_groups))
+    stats = np.zeros(resamples)
+    for g, (distinct, probs, size) in enumerate(compact):
+        slots = picks == g
+        draws = int(slots.sum())
+        if not draws:
+            continue
+        means = rng.multinomial(size, probs, size=draws) @ distinct / size
+        replicate = np.nonzero(slots)[0]          # the replicate of each slot, in slot order
+        np.add.at(stats, replicate, means)
+    return stats / n_groups
+
+
+def percentile_interval(replicates: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+    """The central `confidence` interval of bootstrap replicates (NaN, NaN when empty)."""
+    if replicates.size == 0:
+        return math.nan, math.nan
+    tail = (1 - confidence) / 2
+    return float(np.quantile(replicates, tail)), float(np.quantile(replicates, 1 - tail))
+
+
+def seed_t_test(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """Student t interval of the mean of per-seed values (one value per trained model) and the
+    two-sided p-value of mean = 0 (`scipy.stats.ttest_1samp`). Fewer than two seeds, or seeds
+    that all agree, give NaN where the t statistic is undefined (an interval of zero width
+    around a shared value is returned as that value)."""
+    values = np.asarray(values, dtype=float)
+    if values.size < 2:
+        return math.nan, math.nan, math.nan
+    mean, sd = float(values.mean()), float(values.std(ddof=1))
+    if sd == 0.0:
+        return mean, mean, (1.0 if mean == 0.0 else 0.0)
+    from scipy import stats
+    half = float(stats.t.ppf(0.5 + confidence / 2, values.size - 1)) * sd / math.sqrt(values.size)
+    p = float(stats.ttest_1samp(values, 0.0).pvalue)
+    return mean - half, mean + half, p

@@ -1,0 +1,143 @@
+"""The trained model as the unit: per-model drops, the failure rate at N = W, and N*.
+
+A study trains every job once per seed; each (job, seed) is one trained model. The tables of
+`evals.findings` pool a job's seeds; the ones here keep them apart, because the question a lab
+asks of bounded replay ("what share of models trained this way lose accuracy at N = W?") is a
+question about models, not examples:
+
+  model_drops     per job x seed x family x replay mode, pooled over the family's distances:
+                  the model's own `full` accuracy, whether it is competent there (>= COMPETENT),
+                  the paired drop (mode - full) with its exact McNemar p-value, Holm-adjusted
+                  over the families where that model is competent, the mean KL(full || mode)
+                  at the answer, and N (the mode's replay length)
+  failure_rates   per job x replay mode: how many models fail (`model_fails`) and the exact
+                  Clopper-Pearson 95% CI of the rate
+  n_star          per model: N*, the smallest N on the study's grid from W to R_exact at which
+                  every competent family loses at most STAR_MAX_DROP and has an answer KL of at
+                  most STAR_MAX_KL nats (R_exact, exact by construction, if no smaller N does);
+                  beside it the drop and the failure at N = W
+
+A model *fails* at a mode when, on some family where it is competent, its drop is significant
+after Holm correction over those families (p_holm < alpha) and larger than FAIL_MIN_DROP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from evals.suites.stats import binomial_two_sided, clopper_pearson, holm
+
+FULL = "full"
+COMPETENT = 0.9          # a model's `full` accuracy on a family from which its drop counts
+FAIL_MIN_DROP = 0.01     # a failure is a significant drop of more than 1 point ...
+STAR_MAX_DROP = 0.005    # ... N* needs every competent family within 0.5 point of `full`
+STAR_MAX_KL = 0.01       # ... and an answer KL of at most 0.01 nats
+
+
+def model_drops(results: pd.DataFrame, marks: dict, alpha: float = 0.05) -> pd.DataFrame:
+    """Per model (job x train_seed) x family x single-turn replay mode, pooled over distances
+    (see module doc). `results`: `evals.findings.load_results`; `marks`: per job {"W",
+    "R_exact"} (`evals.findings.geometry`). Columns: job, seed, family, mode, N, n, acc_full,
+    competent, acc_mode, difference, full_only, mode_only, p_value, p_holm, kl_answer, fails.
+    Multi-turn and other non-replay modes are left out (N undefined)."""
+    from evals.findings import replay_of
+    rows = []
+    for (job, seed, family), part in results.groupby(["job", "train_seed", "family"], sort=True):
+        full = part[part["mode"] == FULL].set_index("id")["correct"].astype(bool)
+        if full.empty:
+            continue
+        acc_full = float(full.mean())
+        for mode, cell in part[part["mode"] != FULL].groupby("mode", sort=False):
+            n_replay = replay_of(mode, marks.get(job, {}).get("R_exact"))
+            if math.isnan(n_replay):
+                continue
+            mine = cell.set_index("id")["correct"].astype(bool)
+            ref = full.reindex(mine.index)
+            keep = ref.notna()
+            mine, ref = mine[keep], ref[keep].astype(bool)
+            b, c = int((ref & ~mine).sum()), int((mine & ~ref).sum())
+            kl = float(cell["kl_answer"].mean()) if "kl_answer" in cell else math.nan
+            rows.append({"job": job, "seed": int(seed), "family": family, "mode": mode,
+                         "N": int(n_replay), "n": int(len(mine)), "acc_full": acc_full,
+                         "competent": acc_full >= COMPETENT, "acc_mode": float(mine.mean()),
+                         "difference": (c - b) / len(mine) if len(mine) else math.nan,
+                         "full_only": b, "mode_only": c,
+                         "p_value": binomial_two_sided(b, b + c), "kl_answer": kl})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    table["p_holm"] = table["p_value"]
+    for _, part in table[table["competent"]].groupby(["job", "seed", "mode"]):
+        table.loc[part.index, "p_holm"] = holm(part["p_value"].tolist())
+    table["fails"] = (table["competent"] & (table["p_holm"] < alpha)
+                      & (table["difference"] < -FAIL_MIN_DROP))
+    return table.sort_values(["job", "seed", "family", "N"], kind="stable").reset_index(drop=True)
+
+
+def model_fails(drops: pd.DataFrame) -> pd.DataFrame:
+    """Per model x mode: whether it fails (any competent family fails), the worst competent
+    drop and how many families it is competent in."""
+    rows = []
+    for (job, seed, mode), part in drops.groupby(["job", "seed", "mode"], sort=False):
+        competent = part[part["competent"]]
+        rows.append({"job": job, "seed": seed, "mode": mode, "N": int(part["N"].iloc[0]),
+                     "competent_families": len(competent),
+                     "worst_drop": float(competent["difference"].min()) if len(competent)
+                     else math.nan,
+                     "failed": bool(competent["fails"].any())})
+    return pd.DataFrame(rows)
+
+
+def failure_rates(drops: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+    """Per job x mode: models (those competent in at least one family: a model competent in
+    none has nothing to lose and is counted in `not_competent` instead), failed, rate and its
+    Clopper-Pearson interval (rate_low, rate_high), and the seeds that failed."""
+    fails = model_fails(drops)
+    rows = []
+    for (job, mode), every in fails.groupby(["job", "mode"], sort=False):
+        part = every[every["competent_families"] > 0]
+        k, n = int(part["failed"].sum()), len(part)
+        low, high = clopper_pearson(k, n, confidence)
+        rows.append({"job": job, "mode": mode, "N": int(every["N"].iloc[0]), "models": n,
+                     "not_competent": len(every) - n,
+                     "failed": k, "rate": k / n, "rate_low": low, "rate_high": high,
+                     "failed_seeds": " ".join(str(s) for s in part[part["failed"]]["seed"])})
+    table = pd.DataFrame(rows)
+    return table.sort_values(["job", "N"], kind="stable").reset_index(drop=True) \
+        if not table.empty else table
+
+
+def n_star(drops: pd.DataFrame, marks: dict, max_drop: float = STAR_MAX_DROP,
+           max_kl: float = STAR_MAX_KL) -> pd.DataFrame:
+    """One row per model: job, seed, W, R_exact, N* (see module doc), N*/W, N*/R_exact,
+    `drop_at_W` (the worst competent family's drop at N = W), `failed_at_W`, and `grid` (the
+    N evaluated from W up to R_exact). A model whose suite has no mode at N = W gets NaN there. A model
+    competent in no family has no N* (NaN): nothing can be lost."""
+    rows = []
+    fails = model_fails(drops)
+    for (job, seed), part in drops.groupby(["job", "seed"], sort=True):
+        w, r_exact = marks.get(job, {}).get("W"), marks.get(job, {}).get("R_exact")
+        competent = part[part["competent"]]
+        grid = sorted(n for n in part["N"].unique()
+                      if (w is None or n >= w) and (r_exact is None or n <= r_exact))
+        star = math.nan
+        if len(competent):
+            for n in grid:
+                cell = competent[competent["N"] == n]
+                kl = cell["kl_answer"].fillna(0.0)
+                if (cell["difference"] >= -max_drop).all() and (kl <= max_kl).all():
+                    star = n
+                    break
+            else:
+                star = r_exact if r_exact is not None else math.nan
+        at_w = fails[(fails["job"] == job) & (fails["seed"] == seed) & (fails["N"] == w)]
+        rows.append({"job": job, "seed": int(seed), "W": w, "R_exact": r_exact, "N_star": star,
+                     "N_star_over_W": star / w if w else math.nan,
+                     "N_star_over_R_exact": star / r_exact if r_exact else math.nan,
+                     "drop_at_W": float(at_w["worst_drop"].iloc[0]) if len(at_w) else math.nan,
+                     "failed_at_W": bool(at_w["failed"].iloc[0]) if len(at_w) else np.nan,
+                     "grid": " ".join(str(int(n)) for n in grid)})
+    return pd.DataFrame(rows)

@@ -1,0 +1,149 @@
+"""evals.suites.stats: the example-level statistics against scipy, and the model-level ones
+(hierarchical bootstrap, seed t test, Clopper-Pearson) against cases computed by hand."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from evals.suites.stats import (binomial_two_sided, clopper_pearson, hierarchical_bootstrap,
+                                holm, mcnemar_exact, percentile_interval, seed_t_test,
+                                wilson_interval)
+
+
+@pytest.mark.parametrize("correct,n", [(0, 1), (0, 20), (3, 20), (10, 20), (20, 20), (197, 200),
+                                       (1, 7200), (4187, 4200)])
+def test_wilson_interval_equals_scipy(correct, n):
+    ci = sps.binomtest(correct, n).proportion_ci(method="wilson")
+    assert wilson_interval(correct, n) == pytest.approx((ci.low, ci.high), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_mcnemar_equals_scipy_binomial_test(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 300)
+    reference = [rng.random() < 0.8 for _ in range(n)]
+    other = [r if rng.random() < 0.9 else not r for r in reference]
+    result = mcnemar_exact(reference, other)
+    b, c = result["b"], result["c"]
+    expected = 1.0 if b + c == 0 else sps.binomtest(b, b + c, 0.5).pvalue
+    assert result["p_value"] == pytest.approx(expected, rel=1e-9, abs=1e-300)
+    assert binomial_two_sided(b, b + c) == result["p_value"]
+
+
+def test_holm_known_case():
+    # sorted p 0.01, 0.02, 0.03, 0.5 -> 4 * 0.01, max(3 * 0.02, .), max(2 * 0.03, .), 0.5
+    assert holm([0.03, 0.01, 0.5, 0.02]) == pytest.approx([0.06, 0.04, 0.5, 0.06])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_holm_rejects_what_the_step_down_procedure_rejects(seed):
+    """Holm's definition: walk the p-values in ascending order, reject while p_(r) <=
+    alpha / (m - r); the adjusted p-values reject at alpha exactly that set."""
+    rng = np.random.default_rng(seed)
+    p = list(rng.uniform(0, 0.2, size=int(rng.integers(1, 12))) ** 2)
+    m, order = len(p), np.argsort(p)
+    for alpha in (0.01, 0.05):
+        step_down = set()
+        for rank, i in enumerate(order):
+            if p[i] > alpha / (m - rank):
+                break
+            step_down.add(int(i))
+        assert {i for i, q in enumerate(holm(p)) if q <= alpha} == step_down
+
+
+@pytest.mark.parametrize("k,n,low,high", [
+    # tabulated exact intervals (4 decimals); 0/n has the closed form 1 - 0.025^(1/n)
+    (0, 3, 0.0, 0.7076),
+    (1, 6, 0.0042, 0.6412),
+    (0, 8, 0.0, 0.3694),
+    (8, 8, 0.6306, 1.0),
+    (5, 10, 0.1871, 0.8129),
+])
+def test_clopper_pearson_known_values(k, n, low, high):
+    got = clopper_pearson(k, n)
+    assert got == pytest.approx((low, high), abs=5e-5)
+    # the ends are Beta quantiles
+    a = sps.beta.ppf(0.025, k, n - k + 1) if k else 0.0
+    b = sps.beta.ppf(0.975, k + 1, n - k) if k < n else 1.0
+    assert got == pytest.approx((a, b), abs=1e-9)
+    if k == 0:
+        assert got[1] == pytest.approx(1 - 0.025 ** (1 / n), abs=1e-12)
+
+
+def test_clopper_pearson_rejects_bad_counts_and_covers_empty():
+    assert clopper_pearson(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        clopper_pearson(4, 3)
+
+
+def test_hierarchical_bootstrap_two_constant_seeds_by_hand():
+    """Seed A loses every example (-1), seed B none (0). Within-seed resampling changes
+    nothing, so a replicate is the mean of two seeds drawn with replacement: AA -1, AB and BA
+    -0.5, BB 0, with probabilities 1/4, 1/2, 1/4."""
+    reps = hierarchical_bootstrap([[-1.0] * 50, [0.0] * 80], resamples=40000, seed=3)
+    values, counts = np.unique(reps, return_counts=True)
+    assert list(values) == [-1.0, -0.5, 0.0]
+    assert counts / counts.sum() == pytest.approx([0.25, 0.5, 0.25], abs=0.01)
+    assert percentile_interval(reps) == (-1.0, 0.0)
+
+
+def test_hierarchical_bootstrap_one_seed_is_the_ordinary_bootstrap():
+    """With one group, a replicate is the mean of n draws with replacement: for 0/1 values with
+    share p, k/n with k ~ Binomial(n, p), so mean p and variance p(1 - p)/n."""
+    n, p = 40, 0.25
+    reps = hierarchical_bootstrap([[1.0] * 10 + [0.0] * 30], resamples=60000, seed=1)
+    assert reps.mean() == pytest.approx(p, abs=0.002)
+    assert reps.var() == pytest.approx(p * (1 - p) / n, rel=0.03)
+    assert set(np.round(reps * n, 9)) <= set(range(n + 1))
+
+
+def test_hierarchical_bootstrap_enumerated_exactly_on_a_tiny_case():
+    """Two seeds with two examples each: the replicate distribution has a closed form
+    (enumerate the seed draws, then each slot's example draws); the bootstrap matches it."""
+    groups = [[0.0, 1.0], [1.0, 1.0]]
+    exact: dict[float, float] = {}
+    for a, b in itertools.product(range(2), repeat=2):          # seed slots, prob 1/4 each
+        for ea in itertools.product(groups[a], repeat=2):        # slot 1's examples
+            for eb in itertools.product(groups[b], repeat=2):    # slot 2's examples
+                value = (np.mean(ea) + np.mean(eb)) / 2
+                exact[value] = exact.get(value, 0.0) + 0.25 / 16
+    reps = hierarchical_bootstrap(groups, resamples=80000, seed=7)
+    for value, prob in exact.items():
+        assert np.mean(np.isclose(reps, value)) == pytest.approx(prob, abs=0.006)
+
+
+def test_hierarchical_bootstrap_weighs_models_not_examples():
+    """A seed with 10x the examples does not pull the mean: the model is the unit."""
+    reps = hierarchical_bootstrap([[1.0] * 1000, [0.0] * 100], resamples=20000, seed=0)
+    assert reps.mean() == pytest.approx(0.5, abs=0.01)
+    assert hierarchical_bootstrap([], resamples=10).size == 0
+    assert math.isnan(percentile_interval(np.empty(0))[0])
+
+
+def test_seed_level_interval_is_wider_than_the_example_level_one():
+    """Three seeds that disagree (-0.11, -0.28, -0.14 over 1400 examples each): pooling the
+    examples as independent gives a CI of about +-0.01; the seeds' spread gives far more."""
+    rng = np.random.default_rng(0)
+    groups = [np.where(rng.random(1400) < d, -1.0, 0.0) for d in (0.11, 0.28, 0.14)]
+    pooled = np.concatenate(groups)
+    half_example = 1.96 * pooled.std() / math.sqrt(pooled.size)
+    low, high = percentile_interval(hierarchical_bootstrap(groups, resamples=4000))
+    assert high - low > 5 * 2 * half_example
+    t_low, t_high, p = seed_t_test([g.mean() for g in groups])
+    assert t_low < -0.3 and t_high > 0.0 and 0.05 < p < 0.2   # not significant at seed level
+
+
+def test_seed_t_test_matches_scipy():
+    values = [-0.11, -0.28, -0.14]
+    low, high, p = seed_t_test(values)
+    ci = sps.ttest_1samp(values, 0.0).confidence_interval(0.95)
+    assert (low, high) == pytest.approx((ci.low, ci.high), abs=1e-12)
+    assert p == pytest.approx(sps.ttest_1samp(values, 0.0).pvalue)
+    assert all(math.isnan(v) for v in seed_t_test([0.3]))
+    assert seed_t_test([0.0, 0.0, 0.0]) == (0.0, 0.0, 1.0)
