@@ -554,6 +554,14 @@ def exact_encoder_replay_length(c: ModelConfig) -> int:
     return c.n_encoder_layers * (c.window - 1) + 1
 
 
+def exact_policy_encoder_replay_length(c: ModelConfig, n_replay: int, n_new: int) -> int:
+    """Smallest encoder replay N_e that makes the `encoder_replay` multi-turn policy exact
+    (docs/semantics.md 4.3): its decoder reads H_{L_e} of the N - m replayed prefix positions
+    from the encoder replay itself, so N_e >= L_e (W - 1) + max(N - m, 1), which is
+    `exact_encoder_replay_length` when the replay lies within the new turn (N <= m)."""
+    return exact_encoder_replay_length(c) - 1 + max(n_replay - n_new, 1)
+
+
 # ---- replay lengths: every written form, resolved in one place -----------------------------
 
 ReplayPart = Literal["decoder", "encoder"]

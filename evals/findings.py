@@ -46,6 +46,9 @@ writes into --out:
   n_star.csv            one row per model: job, arm, seed, L_d, W, R_exact, N* (the smallest N
                         from W to R_exact within 0.5 point and 0.01 nats on every competent
                         family), the drop and failure at N = W
+  exact_violations.csv  modes that the contract makes exact (evals.modes.promises_exact) but
+                        that changed answers against `full` (also printed as a warning); only
+                        when there are any
   provenance.json       the study's commands, git commits and step times (summary.json)
   findings.md           the tables above in Markdown, for FINDINGS.md, headed by the
                         provenance
@@ -279,6 +282,27 @@ def reference_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.DataF
                          "per_seed_difference": " ".join(f"{d:+.3f}" for d, _, _ in seeds),
                          "per_seed_p": " ".join(f"{p:.3g}" for _, p, _ in seeds)})
     return _drop_table(rows, alpha)
+
+
+def exact_mode_check(drops: pd.DataFrame, marks: dict) -> pd.DataFrame:
+    """The rows of `drops` (pooled over x) whose mode the contract makes exact
+    (`evals.modes.promises_exact`: N >= R_exact, or a multi-turn policy that rebuilds every
+    state exactly) but that changed at least one answer against `full`: each is a bug, or
+    float32 round-off at a near-tie that must be shown. Empty when every exact mode is exact
+    (or R_exact is unknown)."""
+    from evals.modes import parse_mode, promises_exact
+    if drops.empty:
+        return drops
+    rows = []
+    for _, row in drops[drops["x"] == "all"].iterrows():
+        r_exact = marks.get(row["job"], {}).get("R_exact")
+        try:
+            mode = parse_mode(row["mode"])
+        except ValueError:
+            continue
+        if r_exact and promises_exact(mode, int(r_exact)) and row["full_only"] + row["mode_only"]:
+            rows.append(row)
+    return pd.DataFrame(rows).reset_index(drop=True)
 
 
 def competence_table(accuracy: pd.DataFrame) -> pd.DataFrame:
@@ -585,12 +609,19 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     against_base = reference_drop_table(results, alpha)
     needle_ids = needle_id_table(results, _load_needle_documents(study))
     models = per_model_tables(results, study, marks, alpha)
+    violations = exact_mode_check(drops, marks)
+    for _, row in violations.iterrows():
+        print(f"[findings] WARNING: {row['job']} {row['family']} `{row['mode']}` is exact by "
+              f"the contract but changed {row['full_only'] + row['mode_only']} of {row['n']} "
+              f"answers against full (exact_violations.csv)", file=sys.stderr)
     written = {}
-    optional = ("override_drop", "needle_ids", "model_drops", "failure_rate", "n_star")
+    optional = ("override_drop", "needle_ids", "model_drops", "failure_rate", "n_star",
+                "exact_violations")
     for name, table in (("accuracy", accuracy), ("capability_drop", drops),
                         ("competence", competence), ("divergence", divergence),
                         ("answer_kl", answer_kl), ("override_drop", against_base),
-                        ("needle_ids", needle_ids), *models.items()):
+                        ("needle_ids", needle_ids), *models.items(),
+                        ("exact_violations", violations)):
         if name in optional and table.empty:
             continue
         written[name] = out / f"{name}.csv"
@@ -640,6 +671,10 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
               _markdown(needle_ids, ["job", "slice", "n", "accuracy", "ci_low", "ci_high",
                                      "per_seed", "wrong", "one_wrong_digit",
                                      "digit_from_nearest", "other_line_code"])]),
+          "## Exact modes (N >= R_exact, or a policy that rebuilds every state exactly)", "",
+          "Every exact mode gave `full`'s answer on every example.\n" if violations.empty
+          else "**Exact modes that changed answers** (a bug, or round-off at near-ties):\n\n"
+          + _markdown(violations, ["job", "family", "mode", "n", "full_only", "mode_only"]),
           *([] if models["failure_rate"].empty else [
               "## Models that fail (the trained model as the unit: a significant drop, Holm "
               f"over its competent families, larger than {per_model.FAIL_MIN_DROP:g}; "

@@ -9,13 +9,16 @@ A mode is written as a short string:
     turn=8,policy=suffix_only,replay=32[,encoder_replay=64|exact][,prefix_cache=0]
                                   the context's last 8 tokens are a new turn appended to a
                                   cached prefix (docs/semantics.md 4.3); a prefix cache
-                                  (windows evicted, its 4.2) unless prefix_cache=0
+                                  (windows evicted, its 4.2) unless prefix_cache=0; the
+                                  encoder replay defaults to 'exact' (the bound that makes
+                                  the step exact under the policy)
 
 `yoco` models accept the same modes; for them any replay is exact.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +96,27 @@ def parse_mode(text: str) -> Mode:
     return Mode(text, replay=replay, turn=turn, policy=policy,
                 encoder_replay=encoder_replay if prefix_cache else None,
                 prefix_cache=prefix_cache)
+
+
+def promises_exact(mode: Mode, r_exact: int) -> bool:
+    """Whether the contract (docs/semantics.md 4.1-4.3) makes `mode` equal to `full` for a
+    model with exact replay length `r_exact` (1 for yoco, whose early exit is exact): a
+    decoder replay of N >= R_exact ('exact', or none at all), and for a new turn a policy
+    that rebuilds every prefix H_{L_e} the decoder reads exactly (`cached_hidden`,
+    `encoder_replay` with encoder_replay 'exact', `keep_decoder_swa`; `suffix_only` only when
+    the replay lies within the turn). An exact mode that changes an answer is a bug, or
+    float32 round-off at a near-tie (`evals.findings` flags it)."""
+    if mode.replay is None:
+        n = math.inf
+    else:
+        n = r_exact if mode.replay == "exact" else int(mode.replay)
+    if n < r_exact:
+        return False
+    if mode.turn is None or mode.policy in ("keep_decoder_swa", "cached_hidden"):
+        return mode.turn is None or mode.encoder_replay in (None, "exact")
+    if mode.policy == "encoder_replay":
+        return mode.encoder_replay == "exact"
+    return n <= mode.turn          # suffix_only: exact only if the replay is inside the turn
 
 
 def start_mode(engine: InferenceEngine, context: Tensor, mode: Mode):

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..config import default_hidden_tail, resolve_replay
+from ..config import default_hidden_tail, exact_policy_encoder_replay_length, resolve_replay
 from ..model import CEDModel, ForwardContext, ModelState, WindowKV
 
 # None, an int N >= 1, or a symbolic length ('exact', 'R_exact', 'W', 'W/4', '2W', ...):
@@ -303,8 +303,10 @@ class InferenceEngine:
           encoder_replay: H_{L_e} of prefix positions comes from the encoder replay below.
         encoder_replay (N_e): when the cache's encoder windows were evicted (a prefix cache),
         the last N_e prefix tokens rerun the encoder with windows truncated at P - N_e, reusing
-        the cached global KV (docs/semantics.md 4.2);
-        'exact' = n_encoder_layers * (window - 1) + 1.
+        the cached global KV (docs/semantics.md 4.2); 'exact' makes the step exact:
+        n_encoder_layers * (window - 1) + 1, and under policy 'encoder_replay', whose decoder
+        also reads the encoder replay's outputs at N - m prefix positions,
+        n_encoder_layers * (window - 1) + max(N - m, 1) (4.3).
         """
         self._check_ready()
         if policy not in POLICIES:
@@ -344,14 +346,18 @@ class InferenceEngine:
         """`extend` once its arguments are checked; the caller restores the cache on failure."""
         prefix, n_new = cache.length, suffix_ids.shape[1]
         end = prefix + n_new
-
-        encoder_from = self._encoder_from(cache, encoder_replay)
         if not self.cfg.has_decoder:
+            encoder_from = self._encoder_from(cache, encoder_replay)
             if replay is not None:
                 self.resolve_replay(replay, end)   # raises: no decoder
             return self._advance(cache, suffix_ids, encoder_from, encoder_from)
 
         n_replay = self.resolve_replay(replay, end) if replay is not None else n_new
+        if (policy == "encoder_replay" and isinstance(encoder_replay, str)
+                and encoder_replay.replace(" ", "") in ("exact", "R_exact")):
+            # 'exact' promises an exact step: this policy's bound, not the encoder's own (4.3)
+            encoder_replay = exact_policy_encoder_replay_length(self.cfg, n_replay, n_new)
+        encoder_from = self._encoder_from(cache, encoder_replay)
         replay_start = end - n_replay
         stored_hidden = None
         if policy == "keep_decoder_swa":

@@ -228,6 +228,29 @@ def test_encoder_replay_policy_needs_the_decoder_segment_covered(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n_replay", ["exact", 3, 9])
+def test_exact_encoder_replay_under_the_encoder_replay_policy_is_exact(seed, n_replay):
+    """encoder_replay='exact' promises an exact step under every policy: under
+    `encoder_replay`, whose decoder reads the encoder replay's own outputs at N - m prefix
+    positions, that is L_e (W - 1) + max(N - m, 1), not the encoder's L_e (W - 1) + 1 (with
+    which the suite's `policy=encoder_replay,replay=exact` once changed answers)."""
+    cfg = tiny_config(topk=3, encoder_compress_ratio=2, window=4)
+    model, ids, p, m = _conversation(cfg, seed)
+    engine = InferenceEngine(model)
+    n = exact_replay_length(cfg) if n_replay == "exact" else n_replay
+    want = model(ids[:, :p + m], decoder_replay_start=p + m - n)[:, -1]
+    prefix = engine.prefill(ids[:, :p]).cache.as_prefix_cache()
+    got = engine.extend(ids[:, p:p + m], prefix, policy="encoder_replay", replay=n_replay,
+                        encoder_replay="exact")
+    assert max_diff(got, want) < TOL
+    if n > m + 1:      # the encoder's own bound is too short here: not exact
+        prefix = engine.prefill(ids[:, :p]).cache.as_prefix_cache()
+        short = engine.extend(ids[:, p:p + m], prefix, policy="encoder_replay",
+                              replay=n_replay, encoder_replay=exact_encoder_replay_length(cfg))
+        assert max_diff(short, want) > 1e-6
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_bounded_encoder_replay_is_not_silently_exact(seed):
     cfg = tiny_config(topk=3, encoder_compress_ratio=2, window=4)
     model, ids, p, m = _conversation(cfg, seed)

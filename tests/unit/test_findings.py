@@ -128,6 +128,30 @@ def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
     assert info["total_step_seconds"] == 162.0
     with pytest.raises(SystemExit):
         main(["--study", str(tmp_path / "nothing"), "--out", str(out)])
+    # both levels of CI in every drop row, and the models counted
+    drops = pd.read_csv(out / "capability_drop.csv")
+    for column in ("ci_low", "ci_high", "seed_ci_low", "seed_ci_high", "seed_p", "seeds"):
+        assert drops[column].notna().all(), column
+    assert set(drops["seeds"]) == {2}
+    assert not (out / "exact_violations.csv").exists()     # replay=4 < R_exact = 7
+    assert "Every exact mode gave" in text
+
+
+def test_cli_flags_an_exact_mode_that_changed_answers(tmp_path, capsys):
+    study = tmp_path / "study"
+    for seed, part in fake_results(CELLS).groupby("train_seed"):
+        run = study / "suite" / "ced" / f"seed{seed}"
+        run.mkdir(parents=True)
+        part.drop(columns=["job", "train_seed", "run"]).to_csv(run / "results.csv", index=False)
+        # R_exact = 4: replay=4 is exact by the contract, yet it changes answers
+        (run / "summary.json").write_text(json.dumps({"run": {"settings": {"window": 2,
+                                                                           "r_exact": 4}}}))
+    out = tmp_path / "out"
+    assert main(["--study", str(study), "--out", str(out)]) == 0
+    assert "WARNING: ced recall `replay=4` is exact by the contract" in capsys.readouterr().err
+    flagged = pd.read_csv(out / "exact_violations.csv")
+    assert flagged[["mode", "full_only", "mode_only"]].values.tolist() == [["replay=4", 7, 1]]
+    assert "Exact modes that changed answers" in (out / "findings.md").read_text()
 
 
 def test_modes_are_listed_by_replay_length():
@@ -224,3 +248,25 @@ def test_needle_id_table_slices_accuracy_and_reads_the_wrong_answers():
     near = docs.assign(nearest_codes=[["9934"]] * 4, shared_suffix=1)
     mixed = pd.DataFrame(rows).assign(prediction="1934", correct=False)
     assert needle_id_table(mixed, near).set_index("slice").loc["all", "digit_from_nearest"] == 1
+
+
+def test_an_exact_mode_that_changes_answers_is_flagged(tmp_path, capsys):
+    """replay=exact, and a multi-turn policy that rebuilds every state, must equal `full`;
+    one changed answer is flagged, a bounded N (or suffix_only, which the contract does not
+    make exact) is not."""
+    from evals.findings import exact_mode_check
+    rows = []
+    for mode, lost in (("replay=exact", 1), ("replay=4", 3), ("replay=16", 0),
+                       ("turn=2,policy=encoder_replay,replay=exact", 2),
+                       ("turn=2,policy=suffix_only,replay=exact", 5)):
+        for i in range(20):
+            rows += [{"id": f"c/{i}", "family": "count", "x": "9", "mode": "full",
+                      "correct": True, "job": "ced", "train_seed": 0, "run": "ced/seed0"},
+                     {"id": f"c/{i}", "family": "count", "x": "9", "mode": mode,
+                      "correct": i >= lost, "job": "ced", "train_seed": 0, "run": "ced/seed0"}]
+    results = pd.DataFrame(rows).drop_duplicates(["id", "mode"])
+    flagged = exact_mode_check(capability_drop_table(results), {"ced": {"R_exact": 16}})
+    assert sorted(flagged["mode"]) == ["replay=exact",
+                                       "turn=2,policy=encoder_replay,replay=exact"]
+    assert exact_mode_check(capability_drop_table(results), {"ced": {"R_exact": 32}})[
+        "mode"].tolist() == ["replay=exact", "turn=2,policy=encoder_replay,replay=exact"]
