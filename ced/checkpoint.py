@@ -12,10 +12,13 @@ file and what is wrong, so entry points can print it instead of a traceback.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping
 
@@ -35,6 +38,49 @@ OLD_PREFIX = ".old-"
 
 class CheckpointError(ValueError):
     """A checkpoint or model file that cannot be used; the message is one line naming it."""
+
+
+class StorageFull(RuntimeError):
+    """A write that ran out of space (or quota); the message is one line naming the path, the
+    free space and about how much was needed. Its temporary files are already removed."""
+
+
+# What torch's zip writer says when a write came up short (it raises RuntimeError, not OSError).
+_SHORT_WRITE = ("unexpected pos", "file write failed", "No space left")
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding `path` (its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 if it does not exist)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) \
+        if Path(path).exists() else 0
+
+
+@contextmanager
+def guarded_write(tmp: Path, final: Path, need_bytes: int) -> Iterator[None]:
+    """Around the writes that fill the temporary directory `tmp` of `final`: a write that
+    runs out of space removes `tmp` and raises StorageFull (one line); anything older, the
+    last good checkpoint included, is untouched because nothing but `tmp` was written.
+    need_bytes: about what the whole write takes, for the message."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = free_bytes(final.parent)
+        full = ((isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+                or any(hint in str(exc) for hint in _SHORT_WRITE) or free < need_bytes)
+        if not full:
+            raise
+        raise StorageFull(f"no space left on the device writing {final}: {free / 2**20:.1f} "
+                          f"MiB free, about {need_bytes / 2**20:.1f} MiB needed; the "
+                          f"unfinished write is removed") from None
 
 
 class CheckpointMismatch(CheckpointError):
@@ -179,9 +225,10 @@ def save_model(model: CEDModel, directory: str | Path) -> Path:
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     tmp = atomic_directory(final)
-    save_file(state, str(tmp / WEIGHTS))
-    (tmp / CONFIG).write_text(json.dumps(model.cfg.to_dict(), indent=2))
-    commit_directory(tmp, final)
+    with guarded_write(tmp, final, sum(t.nbytes for t in state.values()) + 2**16):
+        save_file(state, str(tmp / WEIGHTS))
+        (tmp / CONFIG).write_text(json.dumps(model.cfg.to_dict(), indent=2))
+        commit_directory(tmp, final)
     return final
 
 

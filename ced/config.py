@@ -260,8 +260,8 @@ def _validate(c: ModelConfig) -> None:
             or not 0.0 <= c.dropout < 1.0:
         _fail("dropout", "must lie in [0, 1)", c.dropout)
     if isinstance(c.rope_theta, bool) or not isinstance(c.rope_theta, (int, float)) \
-            or not c.rope_theta > 0:
-        _fail("rope_theta", "must be > 0", c.rope_theta)
+            or not 0 < c.rope_theta < float("inf"):
+        _fail("rope_theta", "must be a finite number > 0", c.rope_theta)
 
     for name in ("window_kv_dtype", "global_kv_dtype", "indexer_key_dtype"):
         value = getattr(c, name)
@@ -571,6 +571,25 @@ _FORMS = "'exact' or an int >= 1 (or 'R_exact', 'W', 'W/4', 'W/2', '2W')"
 # What each part accepts, for error messages: a decoder replay may be None (no early exit);
 # an encoder replay is asked for only where one must run.
 REPLAY_FORMS = {"decoder": f"None, {_FORMS}", "encoder": _FORMS}
+
+
+REPLAY_FORM_HELP = "N (an int >= 1), W, W/k, kW, kW/d, R_exact or exact"
+
+
+def parse_replay_form(value: Any, name: str = "replay") -> int | str:
+    """A replay length as a user writes it (a CLI argument, a config value), checked but not
+    resolved: an int >= 1 (also as a string of digits), 'exact' / 'R_exact', or a multiple of
+    the window ('W', 'W/4', '2W', '3W/2'), which `replay_length` resolves once a model config
+    is known. Anything else is a one-line ValueError naming `name` and the forms."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str):
+        text = value.replace(" ", "")
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        if text in ("exact", "R_exact") or is_window_form(text):
+            return text
+    raise ValueError(f"{name}: expected {REPLAY_FORM_HELP}; got {value!r}")
 
 
 def is_window_form(text: str) -> bool:

@@ -1255,6 +1255,14 @@ class CEDModel(nn.Module):
         if t > cfg.max_seq_len:
             raise ValueError(f"input_ids: length {t} exceeds ModelConfig.max_seq_len="
                              f"{cfg.max_seq_len}")
+        if input_ids.dtype == torch.bool or input_ids.is_floating_point():
+            raise ValueError(f"input_ids: token ids must have an integer dtype (torch.long); "
+                             f"got {input_ids.dtype}")
+        if input_ids.numel():       # one min/max per call, as the engine checks its ids
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= cfg.vocab_size:
+                raise ValueError(f"input_ids: token ids must lie in [0, {cfg.vocab_size}) "
+                                 f"(ModelConfig.vocab_size); got values from {low} to {high}")
         if decoder_replay_start is not None and not cfg.has_decoder:
             raise ValueError(f"decoder_replay_start: variant {cfg.variant!r} has no decoder; "
                              "only 'yoco' and 'ced' accept it")

@@ -18,13 +18,17 @@ every save; the Hugging Face libraries run offline unless the environment says o
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,17 +36,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, atomic_directory,
-                         check_training_checkpoint, commit_directory, first_non_finite,
-                         read_json, remove_orphans, save_model)
+from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, StorageFull,
+                         atomic_directory, check_training_checkpoint, commit_directory,
+                         directory_bytes, first_non_finite, guarded_write, read_json,
+                         remove_orphans, save_model)
 from .cli import fail as _fail
 from .data import ByteTokenizer, answer_accuracy, build_source
 from .model import CEDModel, current_attention_kernel
+from .runlock import DirectoryLocked, directory_lock
 from .train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig, validate
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 CONFIG_YAML = "config.yaml"
+CONFIG_CHANGES = "config_changes.jsonl"    # every allowed change of config at a resume
 FINAL = "final"
 # What a run leaves in its directory; any of them means the directory already holds a run.
 RUN_FILES = (CONFIG_YAML, METRICS, CHECKPOINTS, FINAL)
@@ -50,6 +57,13 @@ RUN_FILES = (CONFIG_YAML, METRICS, CHECKPOINTS, FINAL)
 
 class TrainingDiverged(RuntimeError):
     pass
+
+
+# Exit codes of `python -m ced.train`: 0 done, 2 refused (config, checkpoint), 3 diverged,
+# NOT_FINISHED: stopped before the last step with everything written so far intact (a full
+# disk, a pre-emption signal); run the printed resume command to continue. 75 is sysexits'
+# EX_TEMPFAIL ("temporary failure, try again"), which schedulers and wrappers can requeue on.
+NOT_FINISHED = 75
 
 
 # ---- replay simulation (docs/semantics.md section 4.4) ---------------------------------------
@@ -135,6 +149,8 @@ class RunPlan:
     # outrank the new run's checkpoints in pruning or in a later resume=auto.
     set_aside: list[Path] = field(default_factory=list)
     delete: list[Path] = field(default_factory=list)
+    # keys a resume changes, allowed by train.allow_config_change: {key: [old, new]}
+    changes: dict = field(default_factory=dict)
 
 
 def existing_run(run_dir: Path) -> list[str]:
@@ -209,6 +225,46 @@ def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
     return RunPlan(path, step, bool(found) and not inside, metrics, warnings, delete=newer)
 
 
+# Keys that say how a run goes or where it reports, not what it computes: a resume may change
+# them freely. Every other key (model, data, optim, the schedule and batch, the seed, the
+# replay simulation, ...) must match the run's config.yaml unless train.allow_config_change
+# names it (or a prefix of it, e.g. `data`).
+HOW_NOT_WHAT = ("train.resume", "train.overwrite", "train.threads", "train.progress",
+                "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_last",
+                "train.signal_checkpoint", "train.signal_exit_code", "train.allow_config_change",
+                "train.device", "logging.")
+
+
+def config_changes(cfg: TrainConfig, run_dir: Path) -> dict[str, list]:
+    """What a resume into `run_dir` changes against the config the run was trained with
+    (its config.yaml): {key: [old, new]} of the keys train.allow_config_change allows;
+    ConfigError (one line naming the keys) for any other change of what the run computes.
+    {} when the run has no config.yaml (nothing to compare)."""
+    from omegaconf import OmegaConf
+    path = run_dir / CONFIG_YAML
+    if not path.exists():
+        return {}
+    try:
+        old = _flat(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+    except Exception as exc:     # a damaged config.yaml: name it
+        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__})") from None
+    new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    changed = {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new))
+               if old.get(key) != new.get(key)
+               and not any(key == h or (h.endswith(".") and key.startswith(h))
+                           for h in HOW_NOT_WHAT)}
+    allowed = list(cfg.train.allow_config_change)
+    refused = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
+    if refused:
+        shown = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused[:4])
+        more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
+        raise ConfigError(f"train.resume: the run in {run_dir} was trained with another config "
+                          f"({shown}{more}); resuming would mix two runs. Pass the run's own "
+                          f"values, or allow the change with "
+                          f"train.allow_config_change=[{','.join(refused)}]")
+    return changed
+
+
 def read_metrics(path: Path, step: int, warnings: list[str]) -> list[str]:
     """The lines of metrics.jsonl up to `step` (later ones were logged by a killed run after its
     last checkpoint, and are redone); see `metrics_records` for damaged lines."""
@@ -279,21 +335,28 @@ def check_finite(accelerator, model, optimizer, step: int, run_dir: Path) -> Non
             f"{last_good_checkpoint(run_dir, accelerator.unwrap_model(model))}")
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, keep_last: int,
+def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep_last: int,
                     state: dict | None = None) -> Path:
     """accelerate's full state into a temporary directory, renamed once complete. `state`
     (e.g. the wandb run id) goes into trainer_state.json beside the step. The caller checks the
-    weights finite first (`check_finite`)."""
+    weights finite first (`check_finite`). A full disk raises StorageFull with the temporary
+    directory removed and every older checkpoint untouched."""
     final = run_dir / CHECKPOINTS / f"step_{step:08d}"
     tmp = None
     if accelerator.is_main_process:
         tmp = atomic_directory(final)
     tmp = Path(_broadcast(accelerator, str(tmp) if tmp else None))
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()
+    previous = checkpoint_dirs(run_dir)
+    # weights and two AdamW moments, or what the last checkpoint took
+    need = max(directory_bytes(previous[-1]) if previous else 0,
+               3 * sum(p.nbytes for p in accelerator.unwrap_model(model).parameters()))
+    with guarded_write(tmp, final, need):
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / TRAINER_STATE).write_text(json.dumps({**(state or {}), "step": step}))
+            commit_directory(tmp, final)
     if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps({**(state or {}), "step": step}))
-        commit_directory(tmp, final)
         for old in checkpoint_dirs(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -370,16 +433,60 @@ def make_accelerator(cfg: TrainConfig, run_dir: Path):
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> dict:
-    """Run one training job into `run_dir`; returns the last logged metrics."""
+    """Run one training job into `run_dir`; returns the last logged metrics. The main process
+    holds the run directory's lock (`ced.runlock`) throughout: a second writer is refused."""
     t = cfg.train
     if t.threads:
         torch.set_num_threads(t.threads)
     accelerator = make_accelerator(cfg, run_dir)
+    run_dir = Path(_broadcast(accelerator, str(run_dir)))
     try:
-        return _train(cfg, Path(_broadcast(accelerator, str(run_dir))), accelerator)
+        with ExitStack() as lock:
+            _on_main(accelerator, lambda: lock.enter_context(directory_lock(run_dir)))
+            with _Signals(t.signal_checkpoint) as signals:
+                return _train(cfg, run_dir, accelerator, signals)
     finally:
         accelerator.end_training()
         _reset_accelerate()
+
+
+class Stopped(RuntimeError):
+    """SIGTERM or SIGINT stopped the run at a step boundary, after its checkpoint was saved;
+    the message is one line with the step, the checkpoint and how to resume."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class _Signals:
+    """SIGTERM (what SLURM and Kubernetes send before a kill) and SIGINT (Ctrl-C) set a flag
+    that the loop reads at the next step boundary, where it saves a checkpoint and stops
+    (`train.signal_checkpoint`; false: the signals keep their default effect). A second SIGINT
+    interrupts at once. Outside the main thread (signals cannot be caught there) it does
+    nothing."""
+
+    NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.received, self.previous = enabled, None, {}
+
+    def __enter__(self) -> "_Signals":
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            for sig in self.NAMES:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt       # the second Ctrl-C: stop now
+        self.received = self.NAMES.get(signum, str(signum))
+        print(f"\n{self.received} received: saving a checkpoint at the end of this step, "
+              f"then stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def _reset_accelerate() -> None:
@@ -412,7 +519,7 @@ class _Run:
         return self.run_dir / METRICS
 
 
-def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
+def _train(cfg: TrainConfig, run_dir: Path, accelerator, signals: _Signals | None = None) -> dict:
     """Set the run up, take the steps, finish; returns the last logged metrics.
 
     The pieces run every operation and every random draw in the order of the single function
@@ -424,6 +531,8 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
     # Nothing is written into the run directory until the plan (and every file it relies on)
     # is checked: a refused or failed start leaves an earlier run exactly as it was.
     plan = _on_main(accelerator, lambda: plan_run(t, run_dir, accelerator.unwrap_model(model)))
+    if plan.resume_from is not None and run_dir.resolve() in plan.resume_from.resolve().parents:
+        plan.changes = _on_main(accelerator, lambda: config_changes(cfg, run_dir))
     run = _Run(cfg, run_dir, accelerator, model, optimizer, train_source, val_source,
                per_micro, per_rank, _load_resume_state(accelerator, plan, run_dir))
     _prepare_run_dir(run, plan)
@@ -434,6 +543,10 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator) -> dict:
     for step in range(plan.start_step, t.steps):
         last = _train_step(run, step)
         _record_step(run, step, last, progress)
+        received = _broadcast(accelerator, signals.received if signals else None)
+        if received and step + 1 < t.steps:
+            progress.close()
+            _stop_on_signal(run, step + 1, received)
     progress.close()
     _finish_run(run, last)
     return last
@@ -518,7 +631,7 @@ def _load_resume_state(accelerator, plan: RunPlan, run_dir: Path) -> dict:
     # checkpoint of another run directory starts a new wandb run: its history is not ours.
     if run_dir.resolve() in plan.resume_from.resolve().parents:
         saved = read_json(plan.resume_from / TRAINER_STATE)
-        return {k: v for k, v in saved.items() if k == "wandb_run_id"}
+        return {k: v for k, v in saved.items() if k in ("wandb_run_id", "config_changes")}
     return {}
 
 
@@ -542,6 +655,16 @@ def _prepare_run_dir(run: _Run, plan: RunPlan) -> None:
         path.rename(aside)
     for orphan in remove_orphans(run_dir) + remove_orphans(run_dir / CHECKPOINTS):
         print(f"warning: removed {orphan}, left by an interrupted save", file=sys.stderr)
+    if plan.changes:
+        record = {"step": plan.start_step, "changed": plan.changes,
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(run_dir / CONFIG_CHANGES, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        run.trainer_state.setdefault("config_changes", []).append(record)
+        print(f"warning: resuming at step {plan.start_step} with changed config (allowed by "
+              f"train.allow_config_change): " + ", ".join(
+                  f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in plan.changes.items())
+              + f"; recorded in {run_dir / CONFIG_CHANGES}", file=sys.stderr)
     _write_config(run_dir / CONFIG_YAML, cfg)
     run.metrics_file.write_text("".join(line + "\n" for line in plan.metrics))
     if plan.resume_from is not None:
@@ -667,7 +790,28 @@ def _record_step(run: _Run, step: int, last: dict, progress: _Progress) -> None:
     progress.update(last)
     if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
         check_finite(accelerator, run.model, run.optimizer, step + 1, run.run_dir)
-        save_checkpoint(accelerator, run.run_dir, step + 1, t.keep_last, run.trainer_state)
+        save_checkpoint(accelerator, run.model, run.run_dir, step + 1, t.keep_last,
+                        run.trainer_state)
+
+
+def _stop_on_signal(run: _Run, step: int, received: str) -> None:
+    """Save a checkpoint at `step` (unless one was just saved), mark the wandb run as not
+    finished, and raise Stopped with the exit code: `train.signal_exit_code` for SIGTERM (a
+    pre-emption: requeue), 130 for SIGINT (the shell's code for Ctrl-C)."""
+    t, accelerator = run.cfg.train, run.accelerator
+    saved = checkpoint_dirs(run.run_dir)
+    if not saved or saved[-1].name != f"step_{step:08d}":
+        check_finite(accelerator, run.model, run.optimizer, step, run.run_dir)
+        save_checkpoint(accelerator, run.model, run.run_dir, step, t.keep_last,
+                        run.trainer_state)
+    code = t.signal_exit_code if received == "SIGTERM" else 130
+    if run.cfg.logging.wandb and accelerator.is_main_process:
+        tracker = accelerator.get_tracker("wandb", unwrap=True)
+        if received == "SIGTERM" and hasattr(tracker, "mark_preempting"):
+            tracker.mark_preempting()
+        tracker.finish(exit_code=code)    # a stopped run is not "finished" on the dashboard
+    raise Stopped(f"training stopped by {received} at step {step} of {t.steps}; "
+                  f"{_resume_hint(run.run_dir)}", code)
 
 
 def _finish_run(run: _Run, last: dict) -> None:
@@ -698,7 +842,8 @@ def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dic
     # to rounding, so it stays out of the config hashes), but it changes summation order.
     config = {**_flat(asdict(cfg)), "accelerate.mixed_precision": accelerator.mixed_precision,
               "accelerate.num_processes": accelerator.num_processes,
-              "attention_kernel": current_attention_kernel()}
+              "attention_kernel": current_attention_kernel(),
+              "resume.config_changes": json.dumps(trainer_state.get("config_changes", []))}
     accelerator.init_trackers(log.project, config=config, init_kwargs={
         "wandb": {"mode": log.mode, "group": log.group, "job_type": log.job_type,
                   "tags": list(log.tags), "name": log.name, "dir": str(run_dir),
@@ -719,16 +864,17 @@ def _write_config(path: Path, cfg: TrainConfig) -> None:
 def _on_main(accelerator, decide):
     """Run `decide` on the main process and hand its result, or its one-line error, to every
     process, so that all of them go on or all stop with the same message."""
+    refusals = {cls.__name__: cls for cls in (ConfigError, CheckpointError, DirectoryLocked)}
     outcome = None
     if accelerator.is_main_process:
         try:
             outcome = ("ok", decide())
-        except (ConfigError, CheckpointError) as exc:
+        except tuple(refusals.values()) as exc:
             outcome = (type(exc).__name__, str(exc))
     outcome = _broadcast(accelerator, outcome)
     if outcome[0] == "ok":
         return outcome[1]
-    raise (ConfigError if outcome[0] == "ConfigError" else CheckpointError)(outcome[1])
+    raise refusals.get(outcome[0], CheckpointError)(outcome[1])
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -773,13 +919,13 @@ def _hydra_task(cfg) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     hydra_cfg = HydraConfig.get()
     metrics: dict = {}
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         config = validate(cfg)
         if config.logging.name is None and hydra_cfg.job.override_dirname:
             # A sweep's runs are named by what varies (group and folder keys excluded in
             # conf/train.yaml), so the dashboard tells them apart without opening configs.
             config.logging.name = hydra_cfg.job.override_dirname
-        run_dir = Path(hydra_cfg.runtime.output_dir)
         metrics = train(config, run_dir)
     except ConfigError as exc:
         _fail(f"config error: {exc}", 2)
@@ -787,10 +933,40 @@ def _hydra_task(cfg) -> float | None:
         _fail(f"error: {exc}", 2)
     except TrainingDiverged as exc:
         _fail(f"training stopped: {exc}", 3)
+    except Stopped as exc:
+        _fail(str(exc), exc.code)
+    except DirectoryLocked as exc:
+        _fail(f"error: {exc}", 2)
+    except StorageFull as exc:
+        _fail(f"training stopped: {exc}; {_resume_hint(run_dir)}", NOT_FINISHED)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _fail(f"training stopped: no space left on the device ({exc.filename or run_dir}); "
+              f"{_resume_hint(run_dir)}", NOT_FINISHED)
     finally:
         if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
             shutil.rmtree(hydra_cfg.runtime.output_dir, ignore_errors=True)
     return metrics.get("val/loss", metrics.get("loss"))
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run in `run_dir`: this run's own command-line overrides
+    with train.resume=auto (inside a Hydra app; else the bare form)."""
+    from hydra.core.hydra_config import HydraConfig
+    given = []
+    if HydraConfig.initialized():
+        given = [o for o in HydraConfig.get().overrides.task
+                 if _override_key(o) not in ("train.resume", "hydra.run.dir", "train.overwrite")]
+    return " ".join(["python -m ced.train", *given, "train.resume=auto",
+                     f"hydra.run.dir={run_dir}"])
+
+
+def _resume_hint(run_dir: Path) -> str:
+    """'the last checkpoint is X; resume with: <command>' for a stopped run."""
+    saved = checkpoint_dirs(run_dir)
+    last = saved[-1] if saved else "none yet (a resume starts from step 0)"
+    return f"the last checkpoint is {last}; resume with: {resume_command(run_dir)}"
 
 
 GROUPS = ("model", "data", "optim", "train", "logging", "debug")

@@ -138,6 +138,14 @@ class TrainLoopConfig:
     # see each other's facts. false: attention crosses BOS (data.examples_per_row=1 is the
     # other way to keep examples apart).
     document_mask: bool = False
+    # SIGTERM / SIGINT: save a checkpoint at the next step boundary, then stop with
+    # signal_exit_code (SIGTERM: 75 by default, sysexits' "try again", for a requeue) or 130
+    # (SIGINT). false: the signals keep their default effect (no checkpoint).
+    signal_checkpoint: bool = True
+    signal_exit_code: int = 75
+    # Keys a resume may change (e.g. [train.steps, data.only]); any other key that changes
+    # what the run computes is refused at resume. Recorded in the run's config.yaml.
+    allow_config_change: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every",
@@ -163,6 +171,11 @@ class TrainLoopConfig:
                  self.answer_weight)
         _require(isinstance(self.document_mask, bool), "train.document_mask",
                  "must be true or false", self.document_mask)
+        _require(isinstance(self.signal_checkpoint, bool), "train.signal_checkpoint",
+                 "must be true or false", self.signal_checkpoint)
+        _require(isinstance(self.signal_exit_code, int) and 1 <= self.signal_exit_code <= 255,
+                 "train.signal_exit_code", "must be an exit code in [1, 255]",
+                 self.signal_exit_code)
         _require(not (self.overwrite and self.resume == "auto"), "train.overwrite",
                  "true discards the checkpoints train.resume=auto would continue from; use one "
                  "or the other", self.overwrite)

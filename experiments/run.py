@@ -575,9 +575,22 @@ class StudyFailed(RuntimeError):
 
 
 def run_study(opts: DriverConfig) -> int:
-    """Load, run and report one study; returns the exit code (0, or 1 if a step failed)."""
+    """Load, run and report one study; returns the exit code (0, or 1 if a step failed). One
+    driver per study directory: it holds the directory's lock (`ced.runlock`) while it runs
+    (`only=plan` only reads, and takes none)."""
     spec = load_study(opts.study, opts.scale, seeds=opts.seeds)
     out = Path(opts.out or ROOT / "outputs" / "studies" / spec.name).resolve()
+    if opts.only == "plan":
+        return _run_study(opts, spec, out)
+    from ced.runlock import DirectoryLocked, directory_lock
+    try:
+        with directory_lock(out, "study"):
+            return _run_study(opts, spec, out)
+    except DirectoryLocked as exc:
+        raise StudyError(str(exc)) from None
+
+
+def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     threads = int(opts.threads or min(os.cpu_count() or 1, 8))
     study = Study(spec, out, threads, wandb=opts.wandb, group=opts.group,
                   project=opts.project, on_change=opts.on_change, reuse=opts.reuse,

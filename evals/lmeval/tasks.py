@@ -153,7 +153,8 @@ def main(argv=None) -> int:
                                 description="Write lm-eval task YAMLs + JSONL data for the "
                                 "edge-case families, sized for a checkpoint's config.")
     p.add_argument("--checkpoint", required=True, help="reads its config.json (W, R_exact, ...)")
-    p.add_argument("--replay", type=int, nargs="+", required=True, metavar="N")
+    p.add_argument("--replay", nargs="+", required=True, metavar="N",
+                   help="N, W, W/k, kW, kW/d or R_exact (resolved against the checkpoint)")
     p.add_argument("--out", required=True)
     p.add_argument("--examples", type=int, default=20, help="examples per family x point")
     p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=None)
@@ -163,10 +164,16 @@ def main(argv=None) -> int:
     p.add_argument("--per-point", action="store_true", help="also one task per swept value")
     p.add_argument("--no-generate", action="store_true", help="skip the *_gen tasks")
     args = p.parse_args(argv)
-    from ced import ModelConfig
-
-    cfg = ModelConfig.from_dict(json.loads((Path(args.checkpoint) / "config.json").read_text()))
-    settings = SuiteSettings.from_config(cfg, args.replay, args.turns,
+    from ced.checkpoint import CheckpointError, load_config
+    from ced.config import parse_replay_form, replay_length
+    try:
+        forms = [parse_replay_form(v, "--replay") for v in args.replay]
+        cfg = load_config(args.checkpoint)
+        replays = [replay_length(cfg, form, name="--replay") for form in forms]
+    except (ValueError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = SuiteSettings.from_config(cfg, replays, args.turns,
                                          extra_distances=tuple(args.distances),
                                          max_length=args.max_length)
     written = write_tasks(args.out, settings, args.examples, args.families,

@@ -27,8 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="directory written by ced.checkpoint."
                    "save_model (e.g. a training run's final/)")
-    p.add_argument("--replay", type=int, nargs="+", required=True, metavar="N",
-                   help="bounded replay lengths to test (replay=exact and full are always run)")
+    p.add_argument("--replay", nargs="+", required=True, metavar="N",
+                   help="bounded replay lengths to test: N, W, W/k, kW, kW/d or R_exact, "
+                        "resolved against the checkpoint (replay=exact and full always run)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--examples", type=int, default=50, help="examples per family x point")
     p.add_argument("--families", nargs="+", choices=list(FAMILIES), default=None,
@@ -41,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cap on prompt length (default: max_seq_len - 8)")
     p.add_argument("--needle-distractors", type=int, default=None,
                    help="default: topk + 1")
-    p.add_argument("--sweep-replays", type=int, nargs="+", default=None, metavar="N",
+    p.add_argument("--sweep-replays", nargs="+", default=None, metavar="N",
                    help="place the distance and window sweeps' points around these replay "
                         "lengths only (default: every --replay); every --replay is still "
                         "evaluated on every document")
@@ -62,7 +63,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wandb-group", default=None,
                    help="wandb group (default: $WANDB_RUN_GROUP, else 'suite')")
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from ced.config import parse_replay_form
+    try:
+        args.replay = [parse_replay_form(v, "--replay") for v in args.replay]
+        args.sweep_replays = (None if args.sweep_replays is None else
+                              [parse_replay_form(v, "--sweep-replays") for v in args.sweep_replays])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return args
 
 
 def main(argv=None) -> int:

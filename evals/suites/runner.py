@@ -34,7 +34,7 @@ import torch
 
 from ced import CEDModel, InferenceEngine
 from ced.checkpoint import load_model
-from ced.config import default_hidden_tail, resolve_replay
+from ced.config import default_hidden_tail, parse_replay_form, replay_length, resolve_replay
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
 from ced.quant import parse_kv_override
@@ -336,6 +336,12 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
     model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device, kv=kv)
     out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
+    # replay forms (W, W/2, R_exact, ...) resolve against this checkpoint's own config
+    replays = [replay_length(cfg, parse_replay_form(n, "replays"), name="replays")
+               for n in replays]
+    if sweep_replays is not None:
+        sweep_replays = [replay_length(cfg, parse_replay_form(n, "sweep_replays"),
+                                       name="sweep_replays") for n in sweep_replays]
     settings = SuiteSettings.from_config(cfg, replays, turns,
                                          extra_distances=tuple(extra_distances),
                                          max_length=max_length,

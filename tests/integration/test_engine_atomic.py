@@ -152,6 +152,19 @@ def test_decode_refuses_non_tensor_and_non_integer_ids(model, bad, message):
     assert_bitwise_equal(fingerprint(cache), before)
 
 
+@pytest.mark.parametrize("bad,message", [
+    (torch.full((2, 5), 61), r"^input_ids: token ids must lie in \[0, 61\) \(ModelConfig."
+                             r"vocab_size\); got values from 61 to 61$"),
+    (torch.full((2, 5), -3), r"got values from -3 to -3$"),
+    (torch.ones(2, 5), r"^input_ids: token ids must have an integer dtype"),
+])
+def test_the_parallel_forward_refuses_bad_ids_in_one_line(model, bad, message):
+    """The forward that training and every evaluation call checks ids as the engine does,
+    instead of failing deep in the embedding with an IndexError."""
+    with pytest.raises(ValueError, match=message):
+        model(bad)
+
+
 def test_generate_refuses_bad_ids_before_any_work(model):
     with pytest.raises(ValueError, match=r"input_ids: token ids must lie in \[0, 61\)"):
         InferenceEngine(model).generate(torch.full((1, 4), 99), max_new_tokens=2)

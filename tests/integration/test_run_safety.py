@@ -32,6 +32,9 @@ from ced.checkpoint import CheckpointError, load_model, save_model
 from ced.train_config import ConfigError
 
 STEPS4 = ["train.steps=4", "train.save_every=2", "train.eval_every=100", "train.keep_last=3"]
+# A resume that trains on to another number of steps changes the learning-rate schedule, so it
+# is a change of what the run computes and must be allowed (issue 36).
+EXTEND = "train.allow_config_change=[train.steps]"
 
 
 def config(*overrides: str):
@@ -151,9 +154,9 @@ def test_rewinding_to_an_older_checkpoint_of_the_run_needs_overwrite(base_run, t
     before = snapshot(run)
     with pytest.raises(ConfigError, match=r"train.resume: .*step_00000002 is older than this "
                                           r"run's newest checkpoint step_00000004"):
-        train_in_process(run, *STEPS4, "train.steps=3", f"train.resume={older}")
+        train_in_process(run, *STEPS4, "train.steps=3", EXTEND, f"train.resume={older}")
     assert snapshot(run) == before
-    train_in_process(run, *STEPS4, "train.steps=3", "train.save_every=3",
+    train_in_process(run, *STEPS4, "train.steps=3", EXTEND, "train.save_every=3",
                      f"train.resume={older}", "train.overwrite=true")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step_00000002", "step_00000003"]
@@ -229,7 +232,7 @@ def test_a_non_finite_checkpoint_on_disk_is_not_named_good(base_run, tmp_path, m
 
     monkeypatch.setattr(trainer.F, "cross_entropy", poisoned)
     with pytest.raises(trainer.TrainingDiverged, match="last good checkpoint is .*step_00000002"):
-        train_in_process(run, *STEPS4, "train.steps=8", "train.resume=auto")
+        train_in_process(run, *STEPS4, "train.steps=8", EXTEND, "train.resume=auto")
 
 
 def test_nan_at_the_last_step_exits_non_zero_without_a_final_model(tmp_path):
@@ -270,7 +273,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(base_run, straight_losses, 
     run = copy_run(base_run, tmp_path)
     damaged = run / "checkpoints" / "step_00000004" / file
     damage(damaged)
-    train_in_process(run, *STEPS4, "train.steps=6", "train.resume=auto")
+    train_in_process(run, *STEPS4, "train.steps=6", EXTEND, "train.resume=auto")
     err = capsys.readouterr().err
     assert f"warning: skipping a damaged checkpoint: {damaged}" in err
     assert "resuming from" in err and "step_00000002, the newest intact checkpoint" in err
@@ -290,7 +293,7 @@ def test_a_half_written_last_metrics_line_is_dropped(base_run, tmp_path, capsys)
     run = copy_run(base_run, tmp_path)
     with open(run / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 5, "loss": 5.2, "indexer_')   # what a crash mid-write leaves
-    train_in_process(run, *STEPS4, "train.steps=6", "train.resume=auto")
+    train_in_process(run, *STEPS4, "train.steps=6", EXTEND, "train.resume=auto")
     assert "dropped its half-written last line 5" in capsys.readouterr().err
     history = metrics(run)
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6]
@@ -315,7 +318,7 @@ def test_orphaned_temporary_checkpoint_folders_are_removed_on_resume(base_run, t
     for orphan in orphans:
         orphan.mkdir()
         (orphan / "model.safetensors").write_bytes(b"partial")
-    train_in_process(run, *STEPS4, "train.steps=6", "train.resume=auto")
+    train_in_process(run, *STEPS4, "train.steps=6", EXTEND, "train.resume=auto")
     assert not any(o.exists() for o in orphans)
     assert capsys.readouterr().err.count("left by an interrupted save") == 3
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
@@ -335,7 +338,7 @@ def _refused_and_untouched(run: Path, expected: str, *overrides: str) -> str:
 def test_resume_with_a_different_model_shape_is_refused_without_writing(base_run, tmp_path):
     run = copy_run(base_run, tmp_path)
     message = _refused_and_untouched(run, "step_00000004/model.safetensors:",
-                                     "train.steps=6", "train.resume=auto", "model.d_model=48")
+                                     "train.steps=6", EXTEND, "train.resume=auto", "model.d_model=48")
     assert "has shape" in message and "model config gives" in message
 
 
@@ -344,7 +347,7 @@ def test_resume_refuses_when_no_checkpoint_is_intact(base_run, tmp_path):
     truncate(run / "checkpoints" / "step_00000004" / "optimizer.bin")
     truncate(run / "checkpoints" / "step_00000002" / "model.safetensors")
     _refused_and_untouched(run, "train.resume=auto: none of the 2 checkpoints",
-                           "train.steps=6", "train.resume=auto")
+                           "train.steps=6", EXTEND, "train.resume=auto")
 
 
 def test_an_explicit_damaged_checkpoint_is_refused_naming_the_file(base_run, tmp_path):
@@ -352,7 +355,7 @@ def test_an_explicit_damaged_checkpoint_is_refused_naming_the_file(base_run, tmp
     target = run / "checkpoints" / "step_00000002"
     truncate(target / "optimizer.bin", 0.3)
     _refused_and_untouched(run, f"{target / 'optimizer.bin'}: damaged",
-                           "train.steps=6", f"train.resume={target}")
+                           "train.steps=6", EXTEND, f"train.resume={target}")
 
 
 def test_a_garbled_metrics_line_before_the_last_is_refused_naming_it(base_run, tmp_path):
@@ -361,12 +364,12 @@ def test_a_garbled_metrics_line_before_the_last_is_refused_naming_it(base_run, t
     lines[1] = lines[1][:20]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     _refused_and_untouched(run, "metrics.jsonl: line 2 is not a JSON record",
-                           "train.steps=6", "train.resume=auto")
+                           "train.steps=6", EXTEND, "train.resume=auto")
 
 
 def test_damaged_resume_through_the_entry_point_is_one_line(base_run, tmp_path):
     run = copy_run(base_run, tmp_path)
-    done = run_train(run, *STEPS4, "train.steps=6", "train.resume=auto", "model.d_model=48",
+    done = run_train(run, *STEPS4, "train.steps=6", EXTEND, "train.resume=auto", "model.d_model=48",
                      check=False)
     assert done.returncode == 2
     line = one_line(done.stderr)

@@ -59,7 +59,8 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path):
               f"hydra.run.dir={tmp_path}"]
     first = run("ced.train", *common, "train.steps=2")
     assert first.returncode == 0, first.stderr[-2000:]
-    second = run("ced.train", *common, "train.steps=4", "train.resume=auto")
+    second = run("ced.train", *common, "train.steps=4", "train.resume=auto",
+                 "train.allow_config_change=[train.steps]")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stdout + second.stderr
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
@@ -69,7 +70,9 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path):
     (run_id,) = ids
     state = json.loads((tmp_path / "checkpoints" / "step_00000004" / "trainer_state.json")
                        .read_text())
-    assert state == {"wandb_run_id": run_id, "step": 4}
+    assert state["wandb_run_id"] == run_id and state["step"] == 4
+    # the allowed change of train.steps travels with the run's checkpoints
+    assert [c["changed"] for c in state["config_changes"]] == [{"train.steps": [2, 4]}]
     lineage = json.loads((tmp_path / "final" / "wandb.json").read_text())
     assert lineage["artifact"] == f"model-{run_id}:latest"
 
@@ -107,7 +110,7 @@ def test_study_driver_multirun_seeds_and_config_hash(tmp_path):
     first = run("experiments.run", "-m", f"study={typo},{mini}", *common)
     assert first.returncode != 0
     assert ("study error: study typo: jobs[0].overides: unknown key; allowed keys of jobs[0]: "
-            "['name', 'overrides']") in first.stderr
+            "['name', 'overrides', 'seeds']") in first.stderr
     losses = {}
     for seed in (0, 1):
         run_dir = out / "runs" / "a" / f"seed{seed}"

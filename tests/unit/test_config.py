@@ -67,6 +67,8 @@ INVALID = [
     ("dropout-1", "dropout", dict(dropout=1.0)),
     ("dropout-negative", "dropout", dict(dropout=-0.1)),
     ("rope_theta-0", "rope_theta", dict(rope_theta=0.0)),
+    ("rope_theta-inf", "rope_theta", dict(rope_theta=float("inf"))),
+    ("rope_theta-nan", "rope_theta", dict(rope_theta=float("nan"))),
     ("yoco-decoder-ratio-2", "decoder_compress_ratio",
      dict(variant="yoco", decoder_compress_ratio=2)),
     ("ced-global-from-past-encoder", "global_from_layer",

@@ -230,3 +230,30 @@ def test_default_hidden_tail_is_shared(variant):
     # The cost model's default is the engine's.
     assert engine_cache_bytes(cfg, 30) == engine_cache_bytes(cfg, 30,
                                                              hidden_tail=default_hidden_tail(cfg))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_parse_replay_form_keeps_every_form_for_the_resolver(form):
+    """What a command line or config accepts is exactly what replay_length resolves."""
+    from ced.config import parse_replay_form
+    parsed = parse_replay_form(form if isinstance(form, int) else str(form))
+    assert replay_length(CED, parsed) == expected(CED, form, "decoder")
+
+
+@pytest.mark.parametrize("bad", ["W/0", "2W+", "0", "-1", "", "1.5", "W2", True, 0, None])
+def test_parse_replay_form_refuses_the_rest_in_one_line(bad):
+    from ced.config import parse_replay_form
+    with pytest.raises(ValueError, match=r"^--x: expected N \(an int >= 1\), W, W/k, kW, kW/d, "
+                                         r"R_exact or exact; got "):
+        parse_replay_form(bad, "--x")
+
+
+def test_the_suite_resolves_forms_against_its_checkpoint(tmp_path):
+    from ced.checkpoint import save_model
+    from evals.suites.runner import run_suite
+    path = save_model(make_model(tiny_config(window=8, vocab_size=259), 0).float(),
+                      tmp_path / "model")
+    result = run_suite(path, ["W/2", "W"], tmp_path / "out", examples=1,
+                       families=["running_count"], make_plot=False, progress=False)
+    assert sorted({r["mode"] for r in result["rows"]}) == ["full", "replay=4", "replay=8",
+                                                            "replay=exact"]
