@@ -381,7 +381,9 @@ def _running(kind: str) -> Callable[[Any], list[Point]]:
         windows = [m for m in windows if m + 3 + SLACK <= s.length_cap]
         if not windows:
             return []
-        length = max(windows) + 3 + SLACK
+        # a longer random prefix before `|` when asked (state_length): a prompt longer than the
+        # decoder's reach R_exact, so that a bounded replay leaves window state outside it
+        length = min(max(max(windows) + 3 + SLACK, s.state_length or 0), s.length_cap)
         return [Point(m + 2, {"kind": kind, "window_len": m, "length": length})
                 for m in windows]
     points.__name__ = f"points_running_{kind}"

@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cap on prompt length (default: max_seq_len - 8)")
     p.add_argument("--needle-distractors", type=int, default=None,
                    help="default: topk + 1")
+    p.add_argument("--state-length", type=int, default=None, metavar="T",
+                   help="running_count/_parity/_bracket prompts of at least T tokens (a longer "
+                        "random prefix before `|`; default: as short as the window allows)")
     p.add_argument("--sweep-replays", nargs="+", default=None, metavar="N",
                    help="place the distance and window sweeps' points around these replay "
                         "lengths only (default: every --replay); every --replay is still "
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
             dtype=args.dtype, device=args.device, topk=args.topk, kv=args.kv,
             extra_distances=args.distances, max_length=args.max_length,
             needle_distractors=args.needle_distractors,
-            sweep_replays=args.sweep_replays, alpha=args.alpha,
+            sweep_replays=args.sweep_replays, state_length=args.state_length,
+            alpha=args.alpha,
             seed_offset=args.seed_offset, make_plot=not args.no_plot, wandb=args.wandb,
             wandb_project=args.wandb_project, wandb_group=args.wandb_group,
             progress=not args.quiet)

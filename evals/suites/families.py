@@ -59,6 +59,9 @@ class SuiteSettings:
     # (N-1, N, N+1); None: every replay under test. A long grid of modes (e.g. W ... R_exact
     # for N*) then reads one fixed set of documents instead of adding points at every N.
     sweep_replays: tuple[int, ...] | None = None
+    # running_count/_parity/_bracket prompts of at least this many tokens (a longer random
+    # prefix before `|`); None: as short as the windows allow (window + 3 + SLACK)
+    state_length: int | None = None
 
     @property
     def point_replays(self) -> tuple[int, ...]:

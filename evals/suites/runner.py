@@ -328,7 +328,9 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
               topk: int | str | None = None, kv: str | None = None,
               extra_distances: Iterable[int] = (),
               max_length: int | None = None, needle_distractors: int | None = None,
-              sweep_replays: Iterable[int] | None = None, alpha: float = 0.05, seed_offset: int = 0, make_plot: bool = True,
+              sweep_replays: Iterable[int] | None = None,
+              state_length: int | None = None, alpha: float = 0.05, seed_offset: int = 0,
+              make_plot: bool = True,
               wandb: bool = False, wandb_project: str = "ced",
               wandb_group: str | None = None, progress: bool = True) -> dict:
     """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings"}."""
@@ -346,7 +348,8 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
                                          extra_distances=tuple(extra_distances),
                                          max_length=max_length,
                                          needle_distractors=needle_distractors,
-                                         sweep_replays=sweep_replays)
+                                         sweep_replays=sweep_replays,
+                                         state_length=state_length)
     docs = build_documents(settings, examples, families, seed_offset=seed_offset)
     write_jsonl(docs, out / "data")
     base, turn = suite_modes(cfg, settings.replays, settings.turns)
