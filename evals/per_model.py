@@ -103,7 +103,8 @@ def failure_rates(drops: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame
         low, high = clopper_pearson(k, n, confidence)
         rows.append({"job": job, "mode": mode, "N": int(every["N"].iloc[0]), "models": n,
                      "not_competent": len(every) - n,
-                     "failed": k, "rate": k / n, "rate_low": low, "rate_high": high,
+                     "failed": k, "rate": k / n if n else math.nan, "rate_low": low,
+                     "rate_high": high,
                      "failed_seeds": " ".join(str(s) for s in part[part["failed"]]["seed"])})
     table = pd.DataFrame(rows)
     return table.sort_values(["job", "N"], kind="stable").reset_index(drop=True) \

@@ -1,0 +1,298 @@
+"""Bounded replay against decoder depth, the trained model as the unit: `python -m evals.depth`.
+
+    python -m evals.depth --study outputs/studies/depth --out findings/depth \
+        [--erf findings/depth/erf]
+
+Reads a finished `depth` study (conf/experiment/depth.yaml: ced at several decoder depths L_d,
+each job an arm: trained without (`no_sim`) or with (`sim`) replay simulation) and writes, beside
+the seed-pooled tables of `evals.findings` (which it runs first, into the same --out):
+
+  depth.csv        per job: L_d, arm, R_exact, N = W as a share of R_exact, models (trained),
+                   competent models per family, the models that fail at N = W with the exact
+                   Clopper-Pearson 95% CI of the rate, the worst competent family's drop at
+                   N = W over the models (median, min), and N* per model (median, min, max; as
+                   multiples of W and shares of R_exact)
+  drop_at_W.csv    per job x family: the drop at N = W pooled over seeds, with its example-level
+                   and seed-level CIs and the number of models (from capability_drop.csv)
+  failure_vs_depth.png   the failure rate at N = W against L_d per arm, with its exact CI
+  n_star_vs_depth.png    N*/W and N*/R_exact against L_d, one point per model
+  mechanism.csv, mechanism.png   (with --erf: a DIR written by `python -m evals.erf` over the
+                   study's checkpoints) per model, the share of the decoder's gradient influence
+                   at distance >= W and >= 2W beside N*, and Spearman's rank correlation of each
+                   share with N* over every model and within each depth
+  depth.md         the tables above in Markdown
+
+A model fails at N = W when, on a family where it is competent (full >= 0.9), its drop is
+significant after Holm correction over those families and larger than 1 point
+(`evals.per_model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from evals import findings, per_model, plots
+from evals.suites.stats import clopper_pearson
+
+ARM_STYLE = {"no_sim": ("tab:red", "o"), "sim": ("tab:blue", "s")}
+
+
+def _mode_at(n: int) -> str:
+    return f"replay={n}"
+
+
+def depth_table(n_star: pd.DataFrame, drops: pd.DataFrame) -> pd.DataFrame:
+    """Per job (see module doc), from `n_star.csv` and `model_drops.csv` of evals.findings."""
+    rows = []
+    for job, models in n_star.groupby("job", sort=False):
+        w, r_exact = models["W"].iloc[0], models["R_exact"].iloc[0]
+        mine = drops[drops["job"] == job]
+        at_w = mine[mine["N"] == w]
+        full = mine.drop_duplicates(["seed", "family"])
+        competent = {f: int(part["competent"].sum()) for f, part in full.groupby("family")}
+        judged = models[models["failed_at_W"].notna()]
+        judged = judged[judged["seed"].isin(
+            at_w[at_w["competent"]]["seed"].unique())]          # competent somewhere
+        k, n = int(judged["failed_at_W"].astype(bool).sum()), len(judged)
+        low, high = clopper_pearson(k, n)
+        stars = models["N_star"].dropna()
+        rows.append({
+            "job": job, "arm": models["arm"].iloc[0], "L_d": models["L_d"].iloc[0], "W": w,
+            "R_exact": r_exact, "W_over_R_exact": w / r_exact if r_exact else math.nan,
+            "models": len(models),
+            "competent": " ".join(f"{f}:{c}" for f, c in sorted(competent.items())),
+            "judged": n, "failed_at_W": k, "fail_rate": k / n if n else math.nan,
+            "fail_rate_low": low, "fail_rate_high": high,
+            "drop_at_W_median": float(models["drop_at_W"].median()),
+            "drop_at_W_worst": float(models["drop_at_W"].min()),
+            "N_star_median": float(stars.median()) if len(stars) else math.nan,
+            "N_star_min": float(stars.min()) if len(stars) else math.nan,
+            "N_star_max": float(stars.max()) if len(stars) else math.nan,
+            "N_star_over_W_median": float((stars / w).median()) if len(stars) else math.nan,
+            "N_star_over_R_exact_median": float((stars / r_exact).median())
+            if len(stars) and r_exact else math.nan})
+    table = pd.DataFrame(rows)
+    return table.sort_values(["arm", "L_d"], kind="stable").reset_index(drop=True) \
+        if not table.empty else table
+
+
+def drop_at_w_table(capability: pd.DataFrame, marks: dict, traits: pd.DataFrame) -> pd.DataFrame:
+    """Per job x family, the pooled drop at N = W with both CIs (capability_drop.csv rows)."""
+    rows = []
+    for job, mark in marks.items():
+        part = capability[(capability["job"] == job) & (capability["x"] == "all")
+                          & (capability["mode"] == _mode_at(mark["W"]))]
+        rows.append(part)
+    if not rows:
+        return pd.DataFrame()
+    table = pd.concat(rows, ignore_index=True)
+    if not traits.empty:
+        info = traits.drop_duplicates("job")[["job", "L_d", "arm"]]
+        table = table.merge(info, on="job", how="left")
+    columns = ["job", "L_d", "arm", "family", "seeds", "n", "acc_full", "difference", "ci_low",
+               "ci_high", "seed_ci_low", "seed_ci_high", "seed_p", "per_seed_difference"]
+    return table[[c for c in columns if c in table.columns]]
+
+
+def erf_shares(erf_dir: Path) -> pd.DataFrame:
+    """Per checkpoint of an evals.erf output: job, seed, and the share of the decoder's total
+    gradient influence (layer-0 input, mean profile over the checkpoint's prompts) at distance
+    >= W and >= 2W (`evals.erf.share_beyond`)."""
+    from evals.erf import share_beyond
+    table = pd.read_csv(erf_dir / "erf.csv")
+    summary = json.loads((erf_dir / "summary.json").read_text())
+    geometry = summary.get("geometry", {})
+    grad = table[(table["view"] == "gradient") & (table["layer"] == "total")
+                 & (table["metric"] == "norm")]
+    rows = []
+    for checkpoint, part in grad.groupby("checkpoint"):
+        job, seed = findings._checkpoint_label(checkpoint)
+        w = geometry.get(job, {}).get("W")
+        profile = part.groupby("distance")["value"].mean()
+        profile = profile.reindex(range(int(profile.index.max()) + 1), fill_value=0.0).to_numpy()
+        rows.append({"job": job, "seed": seed, "share_beyond_W": share_beyond(profile, w),
+                     "share_beyond_2W": share_beyond(profile, 2 * w)})
+    return pd.DataFrame(rows)
+
+
+def mechanism_table(shares: pd.DataFrame, n_star: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """Per model: the erf shares beside N*; and Spearman's rho (with its p) of each share
+    against N* over every model and within each L_d (NaN where N* or the share is constant)."""
+    from scipy.stats import spearmanr
+    table = n_star.merge(shares, on=["job", "seed"], how="inner")
+    stats: dict = {}
+    for share in ("share_beyond_W", "share_beyond_2W"):
+        groups = {"all": table, **{f"L_d={ld}": part for ld, part in table.groupby("L_d")}}
+        for name, part in groups.items():
+            part = part.dropna(subset=["N_star", share])
+            if len(part) < 3 or part["N_star"].nunique() < 2 or part[share].nunique() < 2:
+                stats[f"{share}/{name}"] = {"models": len(part), "rho": math.nan,
+                                             "p": math.nan}
+                continue
+            rho, p = spearmanr(part[share], part["N_star"])
+            stats[f"{share}/{name}"] = {"models": len(part), "rho": float(rho), "p": float(p)}
+    return table, stats
+
+
+# ---- figures ------------------------------------------------------------------------------
+
+def failure_figure(depth: pd.DataFrame) -> Figure | None:
+    """Failure rate at N = W against L_d, a line per arm, exact 95% CI as error bars."""
+    if depth.empty:
+        return None
+    fig = Figure(figsize=(5.5, 3.8))
+    ax = fig.subplots()
+    for arm, part in depth.groupby("arm"):
+        part = part.sort_values("L_d")
+        color, marker = ARM_STYLE.get(arm, ("tab:gray", "^"))
+        err = [part["fail_rate"] - part["fail_rate_low"], part["fail_rate_high"] - part["fail_rate"]]
+        ax.errorbar(part["L_d"], part["fail_rate"], yerr=err, color=color, marker=marker,
+                    capsize=3, label=f"{arm} (models per point: "
+                    f"{'/'.join(str(int(n)) for n in part['judged'])})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(depth["L_d"].unique()))
+    ax.set_xticklabels([str(int(x)) for x in sorted(depth["L_d"].unique())])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("decoder layers L_d (W = 8; N = W is W / R_exact of the reach)")
+    ax.set_ylabel("models that fail at N = W")
+    ax.set_title("Bounded replay N = W: failure rate per trained model (exact 95% CI)",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def n_star_figure(n_star: pd.DataFrame) -> Figure | None:
+    """N*/W and N*/R_exact against L_d, one point per model (arms side by side)."""
+    points = n_star.dropna(subset=["N_star"])
+    if points.empty:
+        return None
+    fig = Figure(figsize=(10, 3.8))
+    axes = fig.subplots(1, 2)
+    depths = sorted(points["L_d"].unique())
+    for ax, column, label in ((axes[0], "N_star_over_W", "N* / W"),
+                              (axes[1], "N_star_over_R_exact", "N* / R_exact")):
+        for i, (arm, part) in enumerate(points.groupby("arm")):
+            color, marker = ARM_STYLE.get(arm, ("tab:gray", "^"))
+            offset = (i - 0.5) * 0.08
+            rng = np.random.default_rng(0)
+            x = part["L_d"] * 2 ** (offset + rng.uniform(-0.03, 0.03, len(part)))
+            ax.scatter(x, part[column], color=color, marker=marker, alpha=0.7, label=arm)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(depths)
+        ax.set_xticklabels([str(int(d)) for d in depths])
+        ax.set_xlabel("decoder layers L_d")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if column == "N_star_over_W":
+            ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("N*: the smallest replay within 0.5 point and 0.01 nats of exact, per model",
+                 fontsize=9)
+    return fig
+
+
+def mechanism_figure(table: pd.DataFrame) -> Figure | None:
+    if table.empty:
+        return None
+    fig = Figure(figsize=(10, 3.8))
+    axes = fig.subplots(1, 2)
+    for ax, share in zip(axes, ("share_beyond_W", "share_beyond_2W")):
+        for arm, part in table.groupby("arm"):
+            color, marker = ARM_STYLE.get(arm, ("tab:gray", "^"))
+            ax.scatter(part[share], part["N_star_over_W"], color=color, marker=marker,
+                       alpha=0.7, label=arm)
+        ax.set_xlabel(f"gradient influence at distance >= {'W' if share.endswith('_W') else '2W'}"
+                      " (share)")
+        ax.set_ylabel("N* / W")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Does the decoder's receptive field beyond W predict N*? (one point per model)",
+                 fontsize=9)
+    return fig
+
+
+# ---- the whole run ----------------------------------------------------------------------------
+
+def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) -> dict:
+    """evals.findings into `out`, then the depth tables and figures; returns the paths."""
+    written = findings.write_findings(study, out, alpha)
+    if "n_star" not in written:
+        raise FileNotFoundError(f"{study}: no per-model replay results (is it a depth study "
+                                f"with its suite step run?)")
+    n_star = pd.read_csv(written["n_star"])
+    drops = pd.read_csv(written["model_drops"])
+    capability = pd.read_csv(written["capability_drop"], dtype={"x": str})
+    marks = findings.geometry(study)
+    traits = findings.run_traits(study)
+    depth = depth_table(n_star, drops)
+    at_w = drop_at_w_table(capability, marks, traits)
+    paths = {"depth": out / "depth.csv", "drop_at_W": out / "drop_at_W.csv"}
+    depth.to_csv(paths["depth"], index=False, float_format="%.6g")
+    at_w.to_csv(paths["drop_at_W"], index=False, float_format="%.6g")
+    for name, figure in (("failure_vs_depth", failure_figure(depth)),
+                         ("n_star_vs_depth", n_star_figure(n_star))):
+        if figure is not None:
+            paths[name] = plots.save(figure, out / f"{name}.png", title_room=True)
+    stats: dict = {}
+    mechanism = pd.DataFrame()
+    if erf is not None:
+        mechanism, stats = mechanism_table(erf_shares(erf), n_star)
+        paths["mechanism"] = out / "mechanism.csv"
+        mechanism.to_csv(paths["mechanism"], index=False, float_format="%.6g")
+        (out / "mechanism.json").write_text(json.dumps(stats, indent=1) + "\n")
+        figure = mechanism_figure(mechanism)
+        if figure is not None:
+            paths["mechanism_png"] = plots.save(figure, out / "mechanism.png", title_room=True)
+    md = ["# Bounded replay against decoder depth (python -m evals.depth)", "",
+          "## Per job: failures at N = W (Clopper-Pearson 95% CI) and N*", "",
+          findings._markdown(depth, ["job", "arm", "L_d", "R_exact", "W_over_R_exact", "models",
+                                     "competent", "judged", "failed_at_W", "fail_rate",
+                                     "fail_rate_low", "fail_rate_high", "drop_at_W_median",
+                                     "drop_at_W_worst", "N_star_median", "N_star_min",
+                                     "N_star_max", "N_star_over_W_median",
+                                     "N_star_over_R_exact_median"]),
+          "## The drop at N = W per family (pooled over seeds; example- and seed-level CIs)", "",
+          findings._markdown(at_w, [c for c in at_w.columns if c != "per_seed_difference"]),
+          "## N* per model", "",
+          findings._markdown(n_star, ["job", "arm", "seed", "L_d", "R_exact", "N_star",
+                                      "drop_at_W", "failed_at_W"])]
+    if stats:
+        md += ["## Mechanism: Spearman's rho of the erf share against N*", "",
+               "| share | models | rho | p |", "|---|---|---|---|"]
+        md += [f"| {k} | {v['models']} | {v['rho']:.3f} | {v['p']:.3g} |" for k, v in stats.items()]
+    paths["depth_md"] = out / "depth.md"
+    paths["depth_md"].write_text("\n".join(md) + "\n")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m evals.depth",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--study", required=True, help="a depth study directory")
+    p.add_argument("--out", required=True, help="output directory (e.g. findings/depth)")
+    p.add_argument("--erf", default=None, help="an evals.erf output directory over the "
+                                               "study's checkpoints (mechanism tables)")
+    p.add_argument("--alpha", type=float, default=0.05)
+    args = p.parse_args(argv)
+    try:
+        paths = write(Path(args.study), Path(args.out), Path(args.erf) if args.erf else None,
+                      args.alpha)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, path in paths.items():
+        print(f"[depth] {name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""evals.depth on a fabricated depth study: per job the failure rate at N = W (exact CI), N*
+per model, the drop at N = W with both CIs, and the erf mechanism join, all by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from evals.depth import main, mechanism_table
+from evals.suites.stats import clopper_pearson
+
+W = 8
+R_EXACT = {"L2_no_sim": 15, "L20_no_sim": 141}
+
+
+def write_model(study: Path, job: str, seed: int, losses: dict, n: int = 200) -> None:
+    """One trained model: `full` right on every running_count example; mode -> lost answers."""
+    rows = []
+    for i in range(n):
+        rows.append({"id": f"rc/{i}", "family": "running_count", "x": "9", "mode": "full",
+                     "correct": True, "kl_answer": 0.0, "target": "3", "prediction": "3"})
+        for mode, (lost, kl) in losses.items():
+            rows.append({"id": f"rc/{i}", "family": "running_count", "x": "9", "mode": mode,
+                         "correct": i >= lost, "kl_answer": kl, "target": "3",
+                         "prediction": "3" if i >= lost else "4"})
+    suite = study / "suite" / job / f"seed{seed}"
+    suite.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(suite / "results.csv", index=False)
+    (suite / "summary.json").write_text(json.dumps(
+        {"run": {"settings": {"window": W, "r_exact": R_EXACT[job]}}}))
+    run = study / "runs" / job / f"seed{seed}"
+    run.mkdir(parents=True)
+    layers = 2 if job.startswith("L2_") else 20
+    (run / "config.yaml").write_text(
+        f"model:\n  n_decoder_layers: {layers}\n  window: {W}\n  shift_tokens: 0\n"
+        f"train:\n  replay:\n    probability: 0.0\n    length: 8\n")
+
+
+@pytest.fixture
+def study(tmp_path) -> Path:
+    root = tmp_path / "depth"
+    # L_d = 2: both models lossless at N = W; N* = W
+    for seed in (0, 1):
+        write_model(root, "L2_no_sim", seed, {"replay=8": (0, 0.001), "replay=12": (0, 0.0),
+                                               "replay=exact": (0, 0.0)})
+    # L_d = 20: seed 0 loses 20 of 200 at N = W (fails), recovers at 16; seed 1 loses 1 at
+    # W (no failure) but its KL stays above 0.01 until 24
+    write_model(root, "L20_no_sim", 0, {"replay=8": (20, 0.5), "replay=16": (0, 0.005),
+                                        "replay=24": (0, 0.0), "replay=exact": (0, 0.0)})
+    write_model(root, "L20_no_sim", 1, {"replay=8": (1, 0.2), "replay=16": (0, 0.05),
+                                        "replay=24": (0, 0.002), "replay=exact": (0, 0.0)})
+    return root
+
+
+def test_depth_report_counts_models_and_finds_n_star(study, tmp_path):
+    out = tmp_path / "out"
+    assert main(["--study", str(study), "--out", str(out)]) == 0
+    depth = pd.read_csv(out / "depth.csv").set_index("job")
+    deep = depth.loc["L20_no_sim"]
+    assert (deep["L_d"], deep["judged"], deep["failed_at_W"]) == (20, 2, 1)
+    assert (deep["fail_rate_low"], deep["fail_rate_high"]) == pytest.approx(clopper_pearson(1, 2),
+                                                                            abs=1e-5)
+    assert deep["W_over_R_exact"] == pytest.approx(8 / 141)
+    assert (deep["N_star_min"], deep["N_star_max"]) == (16, 24)
+    assert depth.loc["L2_no_sim", "failed_at_W"] == 0
+    assert depth.loc["L2_no_sim", "N_star_median"] == 8
+    star = pd.read_csv(out / "n_star.csv")
+    assert list(star.columns[:9]) == ["job", "arm", "seed", "L_d", "W", "R_exact", "N_star",
+                                      "drop_at_W", "failed_at_W"]
+    assert set(star["arm"]) == {"no_sim"}
+    at_w = pd.read_csv(out / "drop_at_W.csv").set_index("job")
+    row = at_w.loc["L20_no_sim"]
+    assert row["difference"] == pytest.approx(-21 / 400) and row["seeds"] == 2
+    assert row["seed_ci_low"] <= -0.1 + 1e-9 and row["seed_ci_high"] >= -0.005 - 1e-9
+    assert row["ci_high"] < 0                       # the example-level CI excludes 0
+    for name in ("failure_vs_depth.png", "n_star_vs_depth.png", "depth.md"):
+        assert (out / name).exists(), name
+
+
+def test_mechanism_joins_erf_shares_with_n_star():
+    n_star = pd.DataFrame({"job": ["a"] * 4, "seed": [0, 1, 2, 3], "L_d": [20] * 4,
+                           "arm": ["no_sim"] * 4, "N_star": [8, 16, 24, 32],
+                           "N_star_over_W": [1, 2, 3, 4]})
+    shares = pd.DataFrame({"job": ["a"] * 4, "seed": [0, 1, 2, 3],
+                           "share_beyond_W": [0.01, 0.02, 0.05, 0.09],
+                           "share_beyond_2W": [0.001, 0.004, 0.003, 0.02]})
+    table, stats = mechanism_table(shares, n_star)
+    assert len(table) == 4
+    assert stats["share_beyond_W/all"]["rho"] == pytest.approx(1.0)
+    assert stats["share_beyond_2W/all"]["rho"] == pytest.approx(0.8)
+    assert stats["share_beyond_W/L_d=20"]["models"] == 4
