@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import random
@@ -438,6 +439,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     t = cfg.train
     if t.threads:
         torch.set_num_threads(t.threads)
+    # accelerate logs four INFO lines per checkpoint about its temporary files
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
     accelerator = make_accelerator(cfg, run_dir)
     run_dir = Path(_broadcast(accelerator, str(run_dir)))
     try:
@@ -921,12 +924,14 @@ def _hydra_task(cfg) -> float | None:
     metrics: dict = {}
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        config = validate(cfg)
+        config = validate(from_run_config(cfg, hydra_cfg.overrides.task, run_dir))
         if config.logging.name is None and hydra_cfg.job.override_dirname:
             # A sweep's runs are named by what varies (group and folder keys excluded in
             # conf/train.yaml), so the dashboard tells them apart without opening configs.
             config.logging.name = hydra_cfg.job.override_dirname
         metrics = train(config, run_dir)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(finished_line(run_dir, metrics), flush=True)
     except ConfigError as exc:
         _fail(f"config error: {exc}", 2)
     except CheckpointError as exc:
@@ -948,6 +953,49 @@ def _hydra_task(cfg) -> float | None:
         if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
             shutil.rmtree(hydra_cfg.runtime.output_dir, ignore_errors=True)
     return metrics.get("val/loss", metrics.get("loss"))
+
+
+def from_run_config(cfg, given: list[str], run_dir: Path):
+    """The config a run continues with. A resume of the run in `run_dir` (train.resume=auto,
+    or a checkpoint of that run) starts from the run's own config.yaml, and only the keys the
+    command line sets (`given`, Hydra's task overrides) replace its values, so
+    `python -m ced.train train.resume=auto hydra.run.dir=<run>` needs nothing else; a key that
+    changes what the run computes is then refused unless allowed (`config_changes`). Anything
+    else (a new run, another run's checkpoint, a run without config.yaml): `cfg` as composed."""
+    from omegaconf import OmegaConf
+    saved = run_dir / CONFIG_YAML
+    resume = str(OmegaConf.select(cfg, "train.resume", default="never"))
+    if resume == "never" or not saved.exists() or (
+            resume != "auto" and run_dir.resolve() not in Path(resume).resolve().parents):
+        return cfg
+    try:
+        base = OmegaConf.load(saved)
+    except Exception as exc:
+        raise CheckpointError(f"{saved}: cannot be read ({type(exc).__name__})") from None
+    for item in given:
+        key = _override_key(item)
+        if key.startswith("hydra") or ("=" not in item and not item.startswith("~")):
+            continue
+        if item.startswith("~"):
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(base, parent) if parent else base
+            if node is not None and leaf in node:
+                node.pop(leaf)
+            continue
+        OmegaConf.update(base, key, OmegaConf.select(cfg, key), merge=False, force_add=True)
+    return base
+
+
+def finished_line(run_dir: Path, metrics: dict) -> str:
+    """The last line of a finished run: where it is and how it ended (the final validation:
+    answer loss, every task's accuracy, and the all-token loss, labelled as such)."""
+    parts = [f"{k.removeprefix('val/acc/')} {v:.3f}" for k, v in sorted(metrics.items())
+             if k.startswith("val/acc/")]
+    loss = [f"answer loss {metrics['val/answer_loss']:.4f}"] if "val/answer_loss" in metrics else []
+    loss += [f"all-token loss {metrics['val/loss']:.4f}"] if "val/loss" in metrics else []
+    return (f"done: {run_dir} (step {metrics.get('step', '?')}); validation: "
+            + ", ".join(loss + (["accuracy " + ", ".join(parts)] if parts else []))
+            + f"; model: {run_dir / FINAL}")
 
 
 def resume_command(run_dir: Path) -> str:
@@ -1051,6 +1099,37 @@ def _check_launcher(overrides: list[str]) -> None:
     if not found:
         raise ConfigError("hydra/launcher=slurm: needs hydra-submitit-launcher, the `slurm` "
                           "extra: pip install -e '.[slurm]' (or pip install 'ced[slurm]')")
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    """What `python -m ced.train <overrides>` would train, composed and checked without
+    training: the overrides' keys, the composed config's values, and whether the data source
+    builds a row. A one-line ConfigError otherwise. Uses a fresh Hydra composition, so it
+    cannot run inside a Hydra app (the study driver calls it in a subprocess:
+    experiments/check_jobs.py)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    args = expand_experiment(overrides)
+    check_overrides(args)
+    _check_launcher(args)
+    args = [a for a in free_form_overrides(args)
+            if not _override_key(a).startswith("hydra")]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            composed = compose("train", overrides=args)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError((str(exc).strip().splitlines() or ["cannot compose"])[0]) from None
+    finally:
+        GlobalHydra.instance().clear()
+    config = validate(composed)
+    try:
+        build_source(config.data, "train").rows(0, 1, config.train.seq_len)
+    except ValueError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    return config
 
 
 def set_offline_defaults() -> None:

@@ -244,7 +244,7 @@ def validate(cfg: DictConfig | dict) -> TrainConfig:
     """Composed config -> TrainConfig, or a one-line ConfigError naming the bad key."""
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     raw = {k: v for k, v in raw.items() if k != "hydra"}
-    if isinstance(raw.get("model"), dict) and "unmodelled" in raw["model"]:
+    if isinstance(raw.get("model"), dict) and raw["model"].get("unmodelled") is not None:
         # Only the cost model's configs describe parts CEDModel does not build (MoE, mHC, ...).
         raise ConfigError("model: this config (e.g. model=deepseek_v41_flash) is for the cost "
                           "model, not for training: python -m ced.cost model=deepseek_v41_flash; "

@@ -343,8 +343,9 @@ def _hydra_task(cfg) -> None:
         schema = OmegaConf.structured(DivergenceConfig)
         config: DivergenceConfig = OmegaConf.to_object(OmegaConf.merge(
             schema, {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}))
-    except Exception as exc:  # omegaconf's messages name the key; keep the first line
-        fail(f"config error: {str(exc).splitlines()[0]}", 2)
+    except Exception as exc:  # omegaconf's exceptions carry the key; keep the first line
+        key = getattr(exc, "full_key", None)
+        fail(f"config error: {key + ': ' if key else ''}{str(exc).splitlines()[0]}", 2)
     out_dir = Path(config.out_dir or HydraConfig.get().runtime.output_dir)
     try:
         run(config, out_dir)

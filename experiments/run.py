@@ -371,10 +371,57 @@ class Study:
                     return stamp_path.parent
         return None
 
-    def plan(self) -> list[dict]:
-        """What `only=all` would do to every training run, without doing it."""
-        rows = []
+    def config_errors(self) -> dict[str, str]:
+        """job name -> the one-line error `ced.train` would give its config (composed and
+        checked in a subprocess, `experiments.check_jobs`, for the first seed of every job of
+        this invocation: the seeds differ only in `train.seed` / `data.seed`)."""
+        jobs, seen = [], set()
         for job_name, seed, label in self.runs():
+            if job_name in seen:
+                continue
+            seen.add(job_name)
+            job = next(j for j in self.spec.jobs if j.name == job_name)
+            jobs.append({"label": job_name, "overrides": [
+                *self.spec.train, *job.overrides, *seed_overrides(self.spec, seed)]})
+        if not jobs:
+            return {}
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+            json.dump(jobs, handle)
+        try:
+            done = subprocess.run([sys.executable, "-m", "experiments.check_jobs", handle.name],
+                                  cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, **self.env})
+        finally:
+            os.unlink(handle.name)
+        if done.returncode != 0:
+            raise StudyError(f"could not check the jobs' configs: "
+                             f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return {r["label"]: r["error"] for r in map(json.loads, done.stdout.splitlines()) if r}
+
+    def check_configs(self) -> None:
+        """Refuse the whole invocation, before anything trains, if any job's config is bad:
+        one line per bad job, then a StudyError naming the first."""
+        errors = self.config_errors()
+        for job_name, error in errors.items():
+            print(f"[study] config error in job {job_name}: {error}", file=sys.stderr,
+                  flush=True)
+        if errors:
+            first = next(iter(errors))
+            raise StudyError(f"jobs[{first}]: {errors[first]} (nothing was trained; "
+                             f"{len(errors)} job(s) with a bad config, listed above)")
+
+    def plan(self) -> list[dict]:
+        """What `only=all` would do to every training run, without doing it; a job whose
+        config is refused says so (CONFIG ERROR) instead."""
+        rows = []
+        errors = self.config_errors()
+        for job_name, seed, label in self.runs():
+            if job_name in errors:
+                reason = f"config error: {errors[job_name]}"
+                rows.append({"run": label, "action": "config_error", "reason": reason})
+                print(f"[study] plan {label}: CONFIG ERROR - {reason}", flush=True)
+                continue
             action, digest, reason = self.decide(job_name, seed, label)
             source = self.reusable(digest) if action == "train" else None
             if source is not None:
@@ -612,9 +659,10 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     if opts.only == "plan":
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(OmegaConf.structured(spec)), flush=True)
-        study.plan()
-        return 0
+        bad = [r for r in study.plan() if r["action"] == "config_error"]
+        return 2 if bad else 0
     if opts.only in ("all", "train"):
+        study.check_configs()
         study.train()
     if opts.only in ("all", "eval"):
         study.divergence()
