@@ -87,3 +87,113 @@ def checkpoint_label(path: str | Path) -> str:
     p = Path(path)
     run = p.parent if p.name == "final" else p
     return f"{run.parent.name}/{run.name}" if run.name.startswith("seed") else run.name
+
+
+# ---- reading an offline run without a server --------------------------------------------------
+# An offline run (`wandb/offline-run-*/run-<id>.wandb`) is a record log: wandb's LevelDB-style
+# framing (a 7-byte header, then 32 KiB blocks of chunks: CRC32 (4 bytes), length (2), type (1:
+# full, 2: first, 3: middle, 4: last)) around protobuf `Record`s. With the pinned wandb its
+# files/ folder holds no config or summary until `wandb sync` uploads it, so this reads the
+# record log directly: what the dashboard will show after the sync.
+_BLOCK = 32 * 1024
+_HEADER = 7
+
+
+def _records(path: Path) -> list[bytes]:
+    import struct
+    data = Path(path).read_bytes()
+    if not data.startswith(b":W&B"):
+        raise ValueError(f"{path}: not a wandb record log (no ':W&B' header)")
+    records, pending, pos = [], b"", _HEADER
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:                       # the block's tail is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:      # zero padding to the block's end
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+            pending = b""
+        else:
+            raise ValueError(f"{path}: damaged record log (chunk type {kind} at byte {pos})")
+    return records
+
+
+def read_offline_run(run_dir: str | Path) -> dict:
+    """What an offline wandb run holds (run_dir: `.../wandb/offline-run-<time>-<id>`): its id,
+    `config` (key -> value), `summary` (key -> the last value), `history` (rows logged),
+    `artifacts` (name: type), and `exit_code` (None if the run never finished: killed)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    run_dir = Path(run_dir)
+    logs = sorted(run_dir.glob("run-*.wandb"))
+    if not logs:
+        raise FileNotFoundError(f"{run_dir}: no run-*.wandb record log (is it a wandb "
+                                f"offline-run directory?)")
+    out = {"id": logs[0].stem.removeprefix("run-"), "config": {}, "summary": {}, "history": 0,
+           "artifacts": {}, "exit_code": None}
+
+    def key_of(item) -> str:
+        return item.key or "/".join(item.nested_key)
+
+    for raw in _records(logs[0]):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "config":
+            for item in record.config.update:
+                out["config"][key_of(item)] = json.loads(item.value_json)
+        elif kind == "summary":
+            for item in record.summary.update:
+                out["summary"][key_of(item)] = json.loads(item.value_json)
+        elif kind == "history":
+            out["history"] += 1
+        elif kind == "artifact":
+            out["artifacts"][record.artifact.name] = record.artifact.type
+        elif kind == "exit":
+            out["exit_code"] = record.exit.exit_code
+    out["config"] = {k: (v.get("value", v) if isinstance(v, dict) else v)
+                     for k, v in out["config"].items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ced.tracking OFFLINE_RUN_DIR [--json]`: print an offline run's config,
+    summary, artifacts and exit code, without a wandb server."""
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(prog="python -m ced.tracking", description=main.__doc__)
+    p.add_argument("run", help="a wandb/offline-run-* directory")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        info = read_offline_run(args.run)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    state = ("not finished (killed)" if info["exit_code"] is None
+             else "finished" if info["exit_code"] == 0 else f"failed (exit {info['exit_code']})")
+    print(f"run {info['id']}: {state}; {info['history']} history rows; artifacts: "
+          f"{info['artifacts'] or 'none'}")
+    summary = {k: v for k, v in info["summary"].items() if not k.startswith("_")}
+    for key in sorted(summary):
+        print(f"  summary {key}: {summary[key]}")
+    for key in sorted(k for k in info["config"] if not k.startswith("_")):
+        print(f"  config {key}: {info['config'][key]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

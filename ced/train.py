@@ -982,8 +982,23 @@ def from_run_config(cfg, given: list[str], run_dir: Path):
             if node is not None and leaf in node:
                 node.pop(leaf)
             continue
-        OmegaConf.update(base, key, OmegaConf.select(cfg, key), merge=False, force_add=True)
+        for path in _keys_set_by(key, item.split("=", 1)[1], cfg):
+            OmegaConf.update(base, path, OmegaConf.select(cfg, path), merge=False,
+                             force_add=True)
     return base
+
+
+def _keys_set_by(key: str, value: str, cfg) -> list[str]:
+    """The config paths an override sets: itself, or for the choice of a group whose file is
+    a `_global_` package (debug=fast) every leaf that file sets."""
+    from omegaconf import OmegaConf
+    if "." in key or key in cfg:
+        return [key]
+    path = Path(CONF_DIR) / key / f"{value}.yaml"
+    if not path.exists():
+        return [key]
+    values = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return [k for k in _flat(values) if k != "defaults"] if isinstance(values, dict) else [key]
 
 
 def finished_line(run_dir: Path, metrics: dict) -> str:
@@ -1132,6 +1147,49 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     return config
 
 
+# conf/train.yaml's hydra.job.config.override_dirname.exclude_keys: keys that say where a run
+# goes, not what it trains (kept in sync by tests/integration/test_daily_loop.py)
+NAME_EXCLUDES = ["hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra/launcher",
+                 "logging", "logging.wandb", "logging.group", "logging.name",
+                 "logging.project", "logging.mode", "logging.job_type", "logging.tags",
+                 "train.resume", "train.threads", "train.progress", "experiment", "debug"]
+
+
+def _sweeps(value: str) -> bool:
+    """Whether an override value sweeps (Hydra's `a,b` at the top level, or range/choice/
+    glob/interval), rather than setting one value."""
+    if value.strip().startswith(("range(", "choice(", "glob(", "interval(")):
+        return True
+    depth = 0
+    for ch in value:
+        depth += ch in "[{(" and 1 or 0
+        depth -= ch in "]})" and 1 or 0
+        if ch == "," and depth == 0:
+            return True
+    return False
+
+
+def name_sweep_by_what_varies(args: list[str]) -> list[str]:
+    """For a multirun (-m): name each job by the keys whose values differ between the sweep's
+    jobs only: its run name (logging.name, from Hydra's override_dirname) and its folder
+    (`<job number>_<those keys>`); the overrides every job shares stay in each run's config.
+    A command line that names its own subdir or exclusions is left as it is."""
+    if not any(a in ("-m", "--multirun") for a in args) or any(
+            _override_key(a) in ("hydra.sweep.subdir",
+                                 "hydra.job.config.override_dirname.exclude_keys")
+            for a in args if "=" in a):
+        return args
+    items = [a for a in args if "=" in a and not a.startswith("-")]
+    varying = [a for a in items if _sweeps(a.split("=", 1)[1])]
+    if not varying:
+        return args
+    constant = sorted({_override_key(a) for a in items if a not in varying
+                       and not _override_key(a).startswith("hydra")})
+    excludes = ",".join(NAME_EXCLUDES + [k for k in constant if k not in NAME_EXCLUDES])
+    return args + [f"hydra.job.config.override_dirname.exclude_keys=[{excludes}]",
+                   "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"]
+
+
 def set_offline_defaults() -> None:
     """Offline Hugging Face libraries unless the environment already chose: without it, a hub
     dataset name on a machine with no network retries for half a minute before its error.
@@ -1149,7 +1207,7 @@ def main() -> None:
         args = expand_experiment(sys.argv[1:])
         check_overrides(args)
         _check_launcher(args)
-        args = free_form_overrides(args)
+        args = name_sweep_by_what_varies(free_form_overrides(args))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -44,7 +44,9 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 @dataclass
 class PromptConfig:
-    data: Any = "stdlib"       # a conf/data name, or a DataConfig mapping
+    # a conf/data name, a DataConfig mapping, or null: each checkpoint's own training data
+    # (the `data` of its run's config.yaml, beside final/; conf/data/synthetic without one)
+    data: Any = None
     split: str = "validation"
     count: int = 16
     start_row: int = 0
@@ -188,9 +190,25 @@ def bootstrap_ci(values: np.ndarray, resamples: int, rng: np.random.Generator):
 
 # ---- the run ---------------------------------------------------------------------------------------
 
-def load_prompts(c: DivergenceConfig, length: int) -> torch.Tensor:
-    """LongTensor [count, length + steps]: contexts plus their true continuations."""
-    data = c.prompts.data
+def checkpoint_data(checkpoint: str | Path) -> Any:
+    """The training data config of a checkpoint: the `data` of its run's config.yaml (the
+    directory above `final/`), or "synthetic" when there is none."""
+    from omegaconf import OmegaConf
+    path = Path(checkpoint).parent / "config.yaml"
+    try:
+        data = OmegaConf.to_container(OmegaConf.select(OmegaConf.load(path), "data"),
+                                      resolve=True) if path.exists() else None
+    except Exception:       # an unreadable run config: fall back, as without one
+        data = None
+    return data if isinstance(data, dict) else "synthetic"
+
+
+def load_prompts(c: DivergenceConfig, length: int,
+                 checkpoint: str | Path | None = None) -> torch.Tensor:
+    """LongTensor [count, length + steps]: contexts plus their true continuations, from
+    `prompts.data`, or (null) the checkpoint's own training data."""
+    data = c.prompts.data if c.prompts.data is not None else (
+        checkpoint_data(checkpoint) if checkpoint is not None else "synthetic")
     if isinstance(data, str):
         from omegaconf import OmegaConf
         data = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "data" / f"{data}.yaml"))
@@ -228,7 +246,7 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
             if length + c.steps > cfg.max_seq_len:
                 raise ValueError(f"lengths: {length} + steps {c.steps} exceeds the model's "
                                  f"max_seq_len {cfg.max_seq_len}")
-            prompts = load_prompts(c, length)
+            prompts = load_prompts(c, length, checkpoint)
             for b0 in range(0, len(prompts), c.batch_size):
                 batch = prompts[b0:b0 + c.batch_size]
                 context, continuation = batch[:, :length], batch[:, length:]

@@ -302,23 +302,30 @@ def frontier_figure(cost: pd.DataFrame) -> Figure | None:
 
 
 def training_figure(runs: Mapping[str, Mapping]) -> Figure | None:
-    """Training loss (solid) and validation loss (dashed, dots) against step, a colour per run.
-    runs: run label -> {"metrics": DataFrame of metrics.jsonl} (evals.report.load_runs); None
-    if no run has a loss."""
+    """Training loss (solid) and the validation loss that counts the same tokens (dashed, dots)
+    against step, a colour per run: with `loss_on: answers` the answer tokens' loss on both
+    sides (`val/answer_loss`), else every token's (`val/loss`). A model trained on answers only
+    is not scored on filler it was never asked to predict. runs: run label -> {"metrics":
+    DataFrame of metrics.jsonl, "loss_on": ...} (evals.report.load_runs); None if no run has a
+    loss."""
     runs = {k: v for k, v in runs.items() if not v["metrics"].empty and "loss" in v["metrics"]}
     if not runs:
         return None
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
+    counted = set()
     for i, (job, run) in enumerate(runs.items()):
         m = run["metrics"]
+        answers = run.get("loss_on", "all") == "answers"
+        counted.add("answer tokens" if answers else "every token")
         ax.plot(m["step"], m["loss"], color=f"C{i % 10}", lw=1, alpha=0.8, label=f"{job} train")
-        if "val/loss" in m:
-            v = m.dropna(subset=["val/loss"])
-            ax.plot(v["step"], v["val/loss"], color=f"C{i % 10}", ls="--", marker="o", ms=4,
+        column = "val/answer_loss" if answers else "val/loss"
+        if column in m:
+            v = m.dropna(subset=[column])
+            ax.plot(v["step"], v[column], color=f"C{i % 10}", ls="--", marker="o", ms=4,
                     label=f"{job} validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel(f"cross-entropy (nats per {' / '.join(sorted(counted))})")
     ax.set_title("Training curves")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -68,7 +68,8 @@ def load_runs(study: Path) -> dict[str, dict]:
     """run label (`<job>/seed<k>`) -> {"config": model config (final/config.json), "metrics":
     DataFrame of metrics.jsonl (read by ced.train.metrics_records: a crash's half-written last
     line is dropped, a damaged earlier line is an error), "run_dir": Path, "final": final/ or
-    None}."""
+    None, "loss_on": what the training loss counts, `answers` or `all` (the run's
+    config.yaml; `all` without one)}."""
     from ced.train import metrics_records
     runs = {}
     for label, run_dir in _run_dirs(Path(study) / "runs"):
@@ -80,8 +81,25 @@ def load_runs(study: Path) -> dict[str, dict]:
         if final.exists():
             config = json.loads(final.read_text())
         runs[label] = {"config": config, "metrics": pd.DataFrame(rows),
-                       "run_dir": run_dir, "final": final.parent if config else None}
+                       "run_dir": run_dir, "final": final.parent if config else None,
+                       "loss_on": _loss_on(run_dir)}
     return runs
+
+
+def _loss_on(run_dir: Path) -> str:
+    """train.loss_on of a run (its config.yaml), `all` if unknown."""
+    from omegaconf import OmegaConf
+    path = run_dir / "config.yaml"
+    try:
+        return str(OmegaConf.select(OmegaConf.load(path), "train.loss_on") or "all")
+    except Exception:       # no or unreadable config.yaml: the trainer's default
+        return "all"
+
+
+def validation_loss_column(loss_on: str) -> str:
+    """The validation metric that counts what the training loss counts: `val/answer_loss`
+    when training counts answer tokens only, `val/loss` (every token) otherwise."""
+    return "val/answer_loss" if loss_on == "answers" else "val/loss"
 
 
 def file_label(label: str) -> str:
@@ -201,12 +219,17 @@ def training_table(runs: dict) -> pd.DataFrame:
         m, cfg = run["metrics"], run["config"] or {}
         if m.empty and not cfg:
             continue        # a job that failed before its first step (see Status)
+        loss_on = run.get("loss_on", "all")
         row = {"job": job, "variant": cfg.get("variant", ""), "params": params_of(cfg),
                "steps": int(m["step"].max()) if "step" in m and len(m) else 0,
-               "final_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else None}
-        if "val/loss" in m and m["val/loss"].notna().any():
-            last = m.dropna(subset=["val/loss"]).iloc[-1]
-            row["val_loss"] = float(last["val/loss"])
+               "loss_on": loss_on,
+               "train_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else None}
+        paired = validation_loss_column(loss_on)
+        if paired in m and m[paired].notna().any():
+            last = m.dropna(subset=[paired]).iloc[-1]
+            row["val_loss"] = float(last[paired])          # like with like: train_loss
+            if paired != "val/loss" and "val/loss" in m:
+                row["val_loss_all_tokens"] = float(last["val/loss"])
             for col in m.columns:
                 if col.startswith("val/acc/"):
                     row[col[4:]] = float(last[col])

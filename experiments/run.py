@@ -13,7 +13,7 @@ once.
     python -m experiments.run --help | --cfg job study=<name> | -m study=a,b
 
 A Hydra app over `conf/study.yaml` (keys: `DriverConfig`). A study is
-`conf/experiment/<name>.yaml`, checked against `experiments.study.StudyConfig` (see README.md,
+`conf/experiment/<name>.yaml`, checked against `experiments.study.StudyConfig` (see docs/studies.md,
 "Studies"): training jobs as Hydra override lists for `python -m ced.train`, the seeds each
 job is trained with, and divergence and suite settings. Layout of the study directory:
 
@@ -581,11 +581,12 @@ class Study:
                     self.record(key, "skipped", out=str(out), hash=digest)
                     continue
                 (out / STAMP).unlink(missing_ok=True)
+                # the driver decides reruns itself (by hash), so it may replace what is there
                 cmd = [sys.executable, "-m", "evals.suites", "--checkpoint", str(final),
-                       "--out", str(out), "--threads", str(self.threads), *settings]
-                if self.wandb:
-                    cmd += ["--wandb", "--wandb-project", self.project,
-                            "--wandb-group", self.group]
+                       "--out", str(out), "--threads", str(self.threads), "--overwrite",
+                       *settings]
+                cmd += (["--wandb-project", self.project, "--wandb-group", self.group]
+                        if self.wandb else ["--no-wandb"])
                 banner(f"suite {label}: N={settings[1:settings.index('--examples')]}")
                 t0 = time.time()
                 log = self.out / "logs" / f"suite_{label.replace('/', '_')}.log"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -60,13 +61,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.05, help="significance level of the drops")
     p.add_argument("--seed-offset", type=int, default=0, help="first example seed")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--wandb", action="store_true",
-                   help="log tables and the plot to wandb (offline unless WANDB_MODE is set)")
+    p.add_argument("--no-wandb", dest="wandb", action="store_false",
+                   help="do not log to wandb (by default the tables and the plot are logged, "
+                        "offline unless WANDB_MODE is set, as training and divergence do)")
+    p.add_argument("--wandb", dest="wandb", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the suite run already in --out (by default it is refused, as "
+                        "ced.train refuses a run directory that holds a run)")
     p.add_argument("--wandb-project", default="ced", help="the one project of every ced run")
     p.add_argument("--wandb-group", default=None,
                    help="wandb group (default: $WANDB_RUN_GROUP, else 'suite')")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    held = [n for n in ("results.csv", "summary.json") if (Path(args.out) / n).exists()]
+    if held and not args.overwrite:
+        print(f"error: --out {args.out} already holds a suite run ({', '.join(held)}); choose "
+              f"another --out, or pass --overwrite to replace it", file=sys.stderr)
+        sys.exit(2)
     from ced.config import parse_replay_form
     try:
         args.replay = [parse_replay_form(v, "--replay") for v in args.replay]

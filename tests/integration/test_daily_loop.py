@@ -127,3 +127,90 @@ def test_the_cost_help_lists_only_what_the_cost_model_reads():
     for group in ("data:", "optim:", "experiment:", "logging:", "train:"):
         assert group not in done.stdout
     assert "Config group: model" in done.stdout
+
+
+def test_divergence_prompts_default_to_the_checkpoints_own_training_data(tmp_path):
+    from evals.divergence import DivergenceConfig, checkpoint_data, load_prompts
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text("data:\n  kind: synthetic\n  only: [copy]\n  seed: 3\n")
+    assert checkpoint_data(run / "final")["only"] == ["copy"]
+    assert checkpoint_data(tmp_path / "elsewhere" / "final") == "synthetic"
+    c = DivergenceConfig()
+    assert c.prompts.data is None
+    ids = load_prompts(c, 64, run / "final")
+    from ced.data import build_source
+    want = build_source({"kind": "synthetic", "only": ["copy"], "seed": 3},
+                        "validation").rows(0, c.prompts.count, 64 + c.steps)["input_ids"]
+    assert (ids == want).all()
+
+
+def test_the_suite_refuses_an_existing_out_like_training_refuses_a_run(tmp_path):
+    from ced.checkpoint import save_model
+    from conftest import make_model, tiny_config
+    model = save_model(make_model(tiny_config(window=8, vocab_size=259), 0).float(),
+                       tmp_path / "model")
+    out = tmp_path / "suite"
+    args = [sys.executable, "-m", "evals.suites", "--checkpoint", str(model), "--out",
+            str(out), "--replay", "W", "--examples", "1", "--families", "running_count",
+            "--no-plot", "--quiet", "--no-wandb"]
+    assert subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120).returncode == 0
+    before = (out / "results.csv").read_bytes()
+    again = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2
+    assert one_line_of(again.stderr).startswith(f"error: --out {out} already holds a suite run")
+    assert (out / "results.csv").read_bytes() == before
+    replaced = subprocess.run([*args, "--overwrite"], cwd=ROOT, env=ENV, capture_output=True,
+                              text=True, timeout=120)
+    assert replaced.returncode == 0, replaced.stderr[-1500:]
+    # logging to wandb is the default, as for training and divergence
+    logged = subprocess.run([a for a in args if a != "--no-wandb"] + ["--overwrite"], cwd=ROOT,
+                            env={**ENV, "WANDB_MODE": "offline"}, capture_output=True,
+                            text=True, timeout=300)
+    assert logged.returncode == 0, logged.stderr[-1500:]
+    assert list(tmp_path.rglob("offline-run-*")), "no offline wandb run written"
+
+
+def one_line_of(text: str) -> str:
+    lines = [x for x in text.splitlines() if x.strip()]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_sweep_names_leave_out_what_conf_train_leaves_out():
+    """ced.train.NAME_EXCLUDES repeats conf/train.yaml's exclude_keys (a sweep's command line
+    replaces that list, so the code must know it)."""
+    from omegaconf import OmegaConf
+
+    from ced.train import CONF_DIR, NAME_EXCLUDES, name_sweep_by_what_varies
+    conf = OmegaConf.load(Path(CONF_DIR) / "train.yaml")
+    assert list(conf.hydra.job.config.override_dirname.exclude_keys) == NAME_EXCLUDES
+    args = name_sweep_by_what_varies(["-m", "model=tiny", "optim.lr=1e-3,3e-3",
+                                      "data.only=[copy,kv_recall]", "train.steps=5"])
+    excludes = args[-2]
+    assert "optim.lr" not in excludes and "model," in excludes and "train.steps" in excludes
+    assert "data.only" in excludes                       # a list value is one value
+    assert name_sweep_by_what_varies(["model=tiny", "optim.lr=1e-3,3e-3"])[-1] == \
+        "optim.lr=1e-3,3e-3"                             # not a multirun: unchanged
+
+
+def test_an_offline_run_holds_its_config_summary_and_artifact(tmp_path):
+    """What `wandb sync` uploads, read from the offline run's record log (the pinned wandb
+    writes no config or summary into files/ until then): `python -m ced.tracking <run>`."""
+    from ced.tracking import read_offline_run
+    run = tmp_path / "run"
+    run_train(run, "train.steps=2", "train.eval_every=2", "train.save_every=2",
+              "logging=wandb", "logging.mode=offline")
+    [offline] = (run / "wandb").glob("offline-run-*")
+    info = read_offline_run(offline)
+    assert info["exit_code"] == 0 and info["history"] == 2
+    assert info["config"]["model.d_model"] == 32 and info["config"]["train.steps"] == 2
+    assert info["summary"]["val/loss"]["min"] > 0       # define_metric: the best, not the last
+    assert info["summary"]["val/answer_loss"] > 0
+    assert info["artifacts"] == {f"model-{info['id']}": "model"}
+    shown = subprocess.run([sys.executable, "-m", "ced.tracking", str(offline)], cwd=ROOT,
+                           env=ENV, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0
+    assert shown.stdout.startswith(f"run {info['id']}: finished; 2 history rows; artifacts: ")
+    assert "  config model.d_model: 32" in shown.stdout

@@ -252,6 +252,10 @@ def test_a_stopped_run_is_not_finished_on_wandb(tmp_path, monkeypatch):
     assert "at step 2 of 2000" in str(caught.value)
     assert finished["exit_code"] == trainer.NOT_FINISHED
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL    # handlers restored
+    # what `wandb sync` will upload: the run's record log ends with the requeue code
+    from ced.tracking import read_offline_run
+    [offline] = (run / "wandb").glob("offline-run-*")
+    assert read_offline_run(offline)["exit_code"] == trainer.NOT_FINISHED
 
 
 # ---- 6. replay forms on the evaluation command lines -------------------------------------------

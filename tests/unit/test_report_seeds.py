@@ -58,3 +58,28 @@ def test_report_drops_pair_within_seeds_and_pool_over_them(tmp_path):
     assert row["per_seed_difference"] == "-0.200 -0.250"
     assert row["per_seed_p"] == "0.125 0.0625"
     assert pooled_drops(tmp_path / "nowhere").empty
+
+
+def test_training_loss_is_tabulated_and_plotted_like_with_like():
+    """A run trained on answer tokens is compared with the validation loss on answer tokens,
+    not with the all-token loss over filler it never learned (which made make demo's report
+    show a falling training loss beside a validation loss of 14 nats)."""
+    import pandas as pd
+
+    from evals import plots
+    from evals.report import training_table
+    metrics = pd.DataFrame([{"step": 1, "loss": 2.0},
+                            {"step": 2, "loss": 0.1, "val/loss": 14.3, "val/answer_loss": 0.2,
+                             "val/acc/copy": 1.0}])
+    runs = {"answers/seed0": {"config": {"variant": "ced"}, "metrics": metrics,
+                              "loss_on": "answers"},
+            "all/seed0": {"config": {"variant": "ced"}, "metrics": metrics, "loss_on": "all"}}
+    table = training_table(runs).set_index("job")
+    assert table.loc["answers/seed0", "val_loss"] == 0.2
+    assert table.loc["answers/seed0", "val_loss_all_tokens"] == 14.3
+    assert table.loc["all/seed0", "val_loss"] == 14.3
+    assert table.loc["answers/seed0", "train_loss"] == 0.1
+    fig = plots.training_figure({"answers/seed0": runs["answers/seed0"]})
+    line = [ln for ln in fig.axes[0].get_lines() if ln.get_label().endswith("validation")][0]
+    assert list(line.get_ydata()) == [0.2]
+    assert "answer tokens" in fig.axes[0].get_ylabel()
