@@ -39,7 +39,7 @@ def test_study_runs_end_to_end_and_reports_the_failed_job(tiny_study):
     steps = summary["steps"]
     assert summary["failed"] == ["train/broken/seed0"]
     assert steps["train/broken/seed0"]["returncode"] != 0
-    assert "train.steps" in steps["train/broken/seed0"]["tail"]
+    assert "non-finite" in steps["train/broken/seed0"]["tail"]
     for key in ("train/yoco/seed0", "train/ced/seed0", "divergence", "suite/yoco/seed0",
                 "suite/ced/seed0", "suite/ced/seed0@kv=global:fp8", "report"):
         assert steps[key]["state"] == "ok", (key, steps[key])

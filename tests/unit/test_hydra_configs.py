@@ -35,10 +35,7 @@ def test_every_job_of_every_study_composes_into_a_valid_training_config(name, sc
     for job in study.jobs:
         for seed in study.seeds:
             overrides = [*study.train, *job.overrides, f"train.seed={seed}"]
-            if job.name == "broken":       # tiny's job that fails on purpose
-                with pytest.raises(ConfigError, match="train.steps: must be >= 1"):
-                    validate(compose_train(overrides))
-                continue
+            # (tiny's job `broken` composes too: it fails on purpose at run time, diverging)
             config = validate(compose_train(overrides))
             assert config.train.seed == seed
 
