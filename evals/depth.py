@@ -17,7 +17,7 @@ the seed-pooled tables of `evals.findings` (which it runs first, into the same -
   failure_vs_depth.png   the failure rate at N = W against L_d per arm, with its exact CI
   n_star_vs_depth.png    N*/W and N*/R_exact against L_d, one point per model
   mechanism.csv, mechanism.png   (with --erf: a DIR written by `python -m evals.erf` over the
-                   study's checkpoints) per model, the share of the decoder's gradient influence
+                   study's checkpoints, or the erf_shares.csv of an `evals.archive`) per model, the share of the decoder's gradient influence
                    at distance >= W and >= 2W beside N*, and Spearman's rank correlation of each
                    share with N* over every model and within each depth
   depth.md         the tables above in Markdown
@@ -245,7 +245,8 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
     stats: dict = {}
     mechanism = pd.DataFrame()
     if erf is not None:
-        mechanism, stats = mechanism_table(erf_shares(erf), n_star)
+        shares = pd.read_csv(erf) if erf.suffix == ".csv" else erf_shares(erf)
+        mechanism, stats = mechanism_table(shares, n_star)
         paths["mechanism"] = out / "mechanism.csv"
         mechanism.to_csv(paths["mechanism"], index=False, float_format="%.6g")
         (out / "mechanism.json").write_text(json.dumps(stats, indent=1) + "\n")
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study", required=True, help="a depth study directory")
     p.add_argument("--out", required=True, help="output directory (e.g. findings/depth)")
     p.add_argument("--erf", default=None, help="an evals.erf output directory over the "
-                                               "study's checkpoints (mechanism tables)")
+                                               "study's checkpoints, or the erf_shares.csv an "
+                                               "archive keeps (mechanism tables)")
     p.add_argument("--alpha", type=float, default=0.05)
     args = p.parse_args(argv)
     try:

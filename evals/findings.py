@@ -105,15 +105,23 @@ def paired_difference(b: int, c: int, n: int) -> tuple[float, float, float]:
 
 
 def load_results(study: Path) -> pd.DataFrame:
-    """Every suite results.csv of the study, with columns job, seed (training seed) and run."""
+    """Every suite results.csv of the study, with columns job, seed (training seed) and run;
+    a model archived by `evals.archive` (cells.csv, no results.csv) is expanded into paired
+    examples with the same counts."""
+    from evals.archive import CELLS, expand_cells
     frames = []
-    for path in sorted((study / "suite").glob("*/seed*/results.csv")):
+    paths = {p.parent: p for p in (study / "suite").glob(f"*/seed*/{CELLS}")}
+    paths.update({p.parent: p for p in (study / "suite").glob("*/seed*/results.csv")})
+    for path in sorted(paths.values()):
         label = f"{path.parent.parent.name}/{path.parent.name}"
         match = _LABEL.match(label)
         if match is None:
             continue
-        frame = pd.read_csv(path, dtype={"x": str, "target": str, "prediction": str},
-                            low_memory=False)
+        if path.name == CELLS:
+            frame = expand_cells(pd.read_csv(path, dtype={"x": str}))
+        else:
+            frame = pd.read_csv(path, dtype={"x": str, "target": str, "prediction": str},
+                                low_memory=False)
         job = match["job"] + match["variant"]
         frames.append(frame.assign(job=job, base_job=match["job"], train_seed=int(match["seed"]),
                                    run=label))

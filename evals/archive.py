@@ -1,0 +1,154 @@
+"""A study's results in a form small enough to commit, so that a study can grow across
+machines and sessions whose `outputs/` do not survive: `python -m evals.archive`.
+
+    python -m evals.archive --study outputs/studies/depth --into findings/depth/archive
+
+A study directory holds per model a suite `results.csv` (one row per example and mode, megabytes
+at the findings scale) and its checkpoints. The archive keeps, per model, what the statistics
+of `evals.findings` and `evals.depth` need, as a skeleton study directory:
+
+    suite/<job>/seed<k>/cells.csv      per family x x x mode: n examples, how many `full` and
+                                       the mode answered right, the discordant pairs
+                                       (full_only, mode_only) and the mean KL at the answer
+    suite/<job>/seed<k>/summary.json   the suite run's settings (W, R_exact, ...)
+    runs/<job>/seed<k>/config.yaml     the training config (L_d, arm)
+    summary.json                       the driver's invocations (command, commit, time) and
+                                       step times, merged over every archived study directory
+
+`evals.findings.load_results` reads `cells.csv` where there is no `results.csv`, expanding each
+cell into paired examples with the same counts (`expand_cells`): every paired statistic
+(accuracy, McNemar, Agresti-Min, Holm, the hierarchical bootstrap, failures, N*) is unchanged;
+the answer KL keeps its per-model mean, so its example-level bootstrap CI is not available from
+an archive (it comes out as a point). Archiving a model twice replaces its files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+CELLS = "cells.csv"
+FULL = "full"
+
+
+def cells_of(results: pd.DataFrame) -> pd.DataFrame:
+    """One model's suite results.csv -> its cells (see module doc); `full` appears as the
+    reference of every other mode's row, not as a row of its own."""
+    results = results.assign(correct=results["correct"].astype(bool), x=results["x"].astype(str))
+    full = results[results["mode"] == FULL].set_index(["family", "x", "id"])["correct"]
+    rows = []
+    for (family, x, mode), part in results[results["mode"] != FULL].groupby(
+            ["family", "x", "mode"], sort=False):
+        mine = part.set_index(["family", "x", "id"])["correct"]
+        ref = full.reindex(mine.index)
+        keep = ref.notna()
+        mine, ref = mine[keep], ref[keep].astype(bool)
+        kl = part["kl_answer"] if "kl_answer" in part else pd.Series(dtype=float)
+        rows.append({"family": family, "x": x, "mode": mode, "n": int(len(mine)),
+                     "full_right": int(ref.sum()), "mode_right": int(mine.sum()),
+                     "full_only": int((ref & ~mine).sum()), "mode_only": int((mine & ~ref).sum()),
+                     "kl_answer": float(kl.mean()) if len(kl) else np.nan})
+    return pd.DataFrame(rows)
+
+
+def expand_cells(cells: pd.DataFrame) -> pd.DataFrame:
+    """Cells -> results rows (id, family, x, mode, correct, kl_answer) with the same counts:
+    in every (family, x) the first `full_right` examples are right under `full`; a mode loses
+    its first `full_only` of them and wins `mode_only` of the others."""
+    rows = []
+    for (family, x), part in cells.groupby(["family", "x"], sort=False):
+        n, right = int(part["n"].max()), int(part["full_right"].iloc[0])
+        ids = [f"{family}/x={x}/{i}" for i in range(n)]
+        full = np.arange(n) < right
+        rows.append(pd.DataFrame({"id": ids, "family": family, "x": x, "mode": FULL,
+                                  "correct": full, "kl_answer": 0.0}))
+        for rec in part.to_dict("records"):
+            correct = full.copy()
+            correct[:rec["full_only"]] = False
+            correct[right:right + rec["mode_only"]] = True
+            rows.append(pd.DataFrame({"id": ids[:rec["n"]], "family": family, "x": x,
+                                      "mode": rec["mode"], "correct": correct[:rec["n"]],
+                                      "kl_answer": rec["kl_answer"]}))
+    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+
+
+def archive(study: Path, into: Path) -> list[str]:
+    """Archive every model of `study` that has suite results into `into`; returns the labels."""
+    done = []
+    for results in sorted((study / "suite").glob("*/seed*/results.csv")):
+        label = f"{results.parent.parent.name}/{results.parent.name}"
+        target = into / "suite" / label
+        target.mkdir(parents=True, exist_ok=True)
+        cells = cells_of(pd.read_csv(results, dtype={"x": str, "target": str,
+                                                     "prediction": str}, low_memory=False))
+        cells.to_csv(target / CELLS, index=False, float_format="%.6g")
+        shutil.copy(results.parent / "summary.json", target / "summary.json")
+        config = study / "runs" / label.split("@")[0] / "config.yaml"
+        if config.exists():
+            (into / "runs" / label.split("@")[0]).mkdir(parents=True, exist_ok=True)
+            shutil.copy(config, into / "runs" / label.split("@")[0] / "config.yaml")
+        done.append(label)
+    _merge_summary(study / "summary.json", into / "summary.json")
+    return done
+
+
+def archive_erf(erf_dir: Path, into: Path) -> Path:
+    """Per checkpoint of an evals.erf output, the decoder's influence shares beyond W and 2W
+    (`evals.depth.erf_shares`), merged into `into/erf_shares.csv` (a model measured again
+    replaces its row)."""
+    from evals.depth import erf_shares
+    path = into / "erf_shares.csv"
+    new = erf_shares(erf_dir)
+    if path.exists():
+        old = pd.read_csv(path)
+        keep = ~old.set_index(["job", "seed"]).index.isin(new.set_index(["job", "seed"]).index)
+        new = pd.concat([old[keep], new], ignore_index=True)
+    into.mkdir(parents=True, exist_ok=True)
+    new.sort_values(["job", "seed"]).to_csv(path, index=False, float_format="%.6g")
+    return path
+
+
+def _merge_summary(source: Path, target: Path) -> None:
+    """The archive's summary.json: every invocation of every archived study directory (once)
+    and the steps' records, later ones replacing earlier ones of the same key."""
+    if not source.exists():
+        return
+    new = json.loads(source.read_text())
+    old = json.loads(target.read_text()) if target.exists() else {}
+    seen = {json.dumps(i, sort_keys=True) for i in old.get("invocations", [])}
+    merged = {**new, "steps": {**old.get("steps", {}), **new.get("steps", {})},
+              "invocations": old.get("invocations", []) + [
+                  i for i in new.get("invocations", [])
+                  if json.dumps(i, sort_keys=True) not in seen]}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(merged, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m evals.archive",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--study", required=True, help="a study directory with suite results")
+    p.add_argument("--into", required=True, help="the archive (a skeleton study directory)")
+    p.add_argument("--erf", default=None, help="an evals.erf output directory over some of the "
+                                               "study's checkpoints: their influence shares go "
+                                               "into <into>/erf_shares.csv")
+    args = p.parse_args(argv)
+    study = Path(args.study)
+    if not (study / "suite").is_dir():
+        print(f"error: --study {study}: no suite/ directory", file=sys.stderr)
+        return 2
+    labels = archive(study, Path(args.into))
+    if args.erf:
+        archive_erf(Path(args.erf), Path(args.into))
+    print(f"[archive] {len(labels)} models into {args.into}: {' '.join(labels)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

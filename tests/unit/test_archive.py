@@ -1,0 +1,81 @@
+"""evals.archive: a study's per-model results in committed-size cells, read back by
+evals.findings with every paired statistic unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pandas as pd
+import pytest
+
+from evals.archive import archive, cells_of, expand_cells
+from evals.findings import capability_drop_table, load_results
+from evals.per_model import model_drops
+
+
+def fake_results(seed: int) -> pd.DataFrame:
+    """Random paired outcomes over 2 families x 3 distances x 3 modes, 40 examples a cell."""
+    rng = random.Random(seed)
+    rows = []
+    for family in ("running_count", "running_bracket"):
+        for x in ("5", "9", "17"):
+            for i in range(40):
+                full = rng.random() < 0.9
+                rows.append({"id": f"{family}/distance={x}/{i}", "family": family, "x": x,
+                             "mode": "full", "correct": full, "kl_answer": 0.0})
+                for mode, flip in (("replay=4", 0.4), ("replay=8", 0.05), ("replay=exact", 0)):
+                    ok = (not full) if rng.random() < flip else full
+                    rows.append({"id": f"{family}/distance={x}/{i}", "family": family, "x": x,
+                                 "mode": mode, "correct": ok, "kl_answer": rng.random() * flip})
+    return pd.DataFrame(rows)
+
+
+def write_study(root, jobs_seeds):
+    for job, seed in jobs_seeds:
+        suite = root / "suite" / job / f"seed{seed}"
+        suite.mkdir(parents=True)
+        fake_results(seed).to_csv(suite / "results.csv", index=False)
+        (suite / "summary.json").write_text(json.dumps(
+            {"run": {"settings": {"window": 8, "r_exact": 15}}}))
+        run = root / "runs" / job / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("model:\n  n_decoder_layers: 2\n")
+    (root / "summary.json").write_text(json.dumps(
+        {"study": "depth", "steps": {}, "invocations": [{"command": f"run {root.name}"}]}))
+
+
+def test_cells_keep_every_paired_count():
+    results = fake_results(0)
+    back = expand_cells(cells_of(results))
+    for frame in (results, back):
+        frame["job"], frame["train_seed"], frame["run"] = "L2", 0, "L2/seed0"
+    cols = ["family", "x", "mode", "n", "full_only", "mode_only", "acc_full", "acc_mode"]
+    want, got = capability_drop_table(results), capability_drop_table(back)
+    pd.testing.assert_frame_equal(want[cols], got[cols])
+    marks = {"L2": {"W": 8, "R_exact": 15}}
+    cols = ["family", "mode", "N", "n", "difference", "p_value", "p_holm", "fails"]
+    pd.testing.assert_frame_equal(model_drops(results, marks)[cols],
+                                  model_drops(back, marks)[cols])
+    # the answer KL keeps each cell's mean
+    kl = results[results["mode"] != "full"].groupby(["family", "x", "mode"])["kl_answer"].mean()
+    kl_back = back[back["mode"] != "full"].groupby(["family", "x", "mode"])["kl_answer"].mean()
+    assert kl.sort_index().to_numpy() == pytest.approx(kl_back.sort_index().to_numpy())
+
+
+def test_archives_from_two_sessions_read_as_one_study(tmp_path):
+    first, second, into = tmp_path / "a", tmp_path / "b", tmp_path / "archive"
+    write_study(first, [("L2", 0), ("L2", 1)])
+    write_study(second, [("L2", 2), ("L20", 0)])
+    assert archive(first, into) == ["L2/seed0", "L2/seed1"]
+    assert archive(second, into) == ["L2/seed2", "L20/seed0"]
+    assert not list(into.rglob("results.csv"))
+    merged = load_results(into)
+    assert sorted(merged["run"].unique()) == ["L2/seed0", "L2/seed1", "L2/seed2", "L20/seed0"]
+    original = load_results(first)
+    drops = capability_drop_table(merged[merged["run"].isin(["L2/seed0", "L2/seed1"])])
+    want = capability_drop_table(original)
+    assert drops["difference"].tolist() == pytest.approx(want["difference"].tolist())
+    assert (into / "runs" / "L20" / "seed0" / "config.yaml").exists()
+    invocations = json.loads((into / "summary.json").read_text())["invocations"]
+    assert [i["command"] for i in invocations] == ["run a", "run b"]
