@@ -92,15 +92,19 @@ def test_accuracy_pools_over_seeds_with_wilson_and_lists_each_seed():
     assert bool(comp.iloc[0]["competent"]) is ((13 + 12 + 6 + 7) / 42 >= 0.9)
 
 
-def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
-    study = tmp_path / "study"
-    results = fake_results(CELLS)
-    for seed, part in results.groupby("train_seed"):
+def write_study(study, window: int, r_exact: int) -> None:
+    """The fabricated CELLS as a study directory's suite runs, read at this geometry."""
+    for seed, part in fake_results(CELLS).groupby("train_seed"):
         run = study / "suite" / "ced" / f"seed{seed}"
         run.mkdir(parents=True)
         part.drop(columns=["job", "train_seed", "run"]).to_csv(run / "results.csv", index=False)
-        (run / "summary.json").write_text(json.dumps({"run": {"settings": {"window": 4,
-                                                                           "r_exact": 7}}}))
+        (run / "summary.json").write_text(json.dumps(
+            {"run": {"settings": {"window": window, "r_exact": r_exact}}}))
+
+
+def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
+    study = tmp_path / "study"
+    write_study(study, window=4, r_exact=7)
     out = tmp_path / "out"
     assert main(["--study", str(study), "--out", str(out)]) == 0
     assert "command and commit unknown" in (out / "findings.md").read_text()
@@ -139,13 +143,7 @@ def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
 
 def test_cli_flags_an_exact_mode_that_changed_answers(tmp_path, capsys):
     study = tmp_path / "study"
-    for seed, part in fake_results(CELLS).groupby("train_seed"):
-        run = study / "suite" / "ced" / f"seed{seed}"
-        run.mkdir(parents=True)
-        part.drop(columns=["job", "train_seed", "run"]).to_csv(run / "results.csv", index=False)
-        # R_exact = 4: replay=4 is exact by the contract, yet it changes answers
-        (run / "summary.json").write_text(json.dumps({"run": {"settings": {"window": 2,
-                                                                           "r_exact": 4}}}))
+    write_study(study, window=2, r_exact=4)    # replay=4 is exact by the contract, yet changes
     out = tmp_path / "out"
     assert main(["--study", str(study), "--out", str(out)]) == 0
     assert "WARNING: ced recall `replay=4` is exact by the contract" in capsys.readouterr().err
