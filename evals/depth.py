@@ -9,7 +9,8 @@ the seed-pooled tables of `evals.findings` (which it runs first, into the same -
 
   depth.csv        per job: L_d, arm, R_exact, N = W as a share of R_exact, models (trained),
                    competent models per family, the models that fail at N = W with the exact
-                   Clopper-Pearson 95% CI of the rate, the worst competent family's drop at
+                   Clopper-Pearson 95% CI of the rate (and those that fail on the documents
+                   whose evidence lies inside the replay, x <= N: `evals.per_model`), the worst competent family's drop at
                    N = W over the models (median, min), and N* per model (median, min, max; as
                    multiples of W and shares of R_exact)
   drop_at_W.csv    per job x family: the drop at N = W pooled over seeds, with its example-level
@@ -63,6 +64,9 @@ def depth_table(n_star: pd.DataFrame, drops: pd.DataFrame) -> pd.DataFrame:
             at_w[at_w["competent"]]["seed"].unique())]          # competent somewhere
         k, n = int(judged["failed_at_W"].astype(bool).sum()), len(judged)
         low, high = clopper_pearson(k, n)
+        k_in = int(judged["failed_inside_at_W"].astype(bool).sum()) \
+            if "failed_inside_at_W" in judged else 0
+        low_in, high_in = clopper_pearson(k_in, n)
         stars = models["N_star"].dropna()
         rows.append({
             "job": job, "arm": models["arm"].iloc[0], "L_d": models["L_d"].iloc[0], "W": w,
@@ -71,6 +75,7 @@ def depth_table(n_star: pd.DataFrame, drops: pd.DataFrame) -> pd.DataFrame:
             "competent": " ".join(f"{f}:{c}" for f, c in sorted(competent.items())),
             "judged": n, "failed_at_W": k, "fail_rate": k / n if n else math.nan,
             "fail_rate_low": low, "fail_rate_high": high,
+            "failed_inside_at_W": k_in, "fail_inside_low": low_in, "fail_inside_high": high_in,
             "drop_at_W_median": float(models["drop_at_W"].median()),
             "drop_at_W_worst": float(models["drop_at_W"].min()),
             "N_star_median": float(stars.median()) if len(stars) else math.nan,
@@ -257,7 +262,8 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
           "## Per job: failures at N = W (Clopper-Pearson 95% CI) and N*", "",
           findings._markdown(depth, ["job", "arm", "L_d", "R_exact", "W_over_R_exact", "models",
                                      "competent", "judged", "failed_at_W", "fail_rate",
-                                     "fail_rate_low", "fail_rate_high", "drop_at_W_median",
+                                     "fail_rate_low", "fail_rate_high", "failed_inside_at_W",
+                                     "fail_inside_low", "fail_inside_high", "drop_at_W_median",
                                      "drop_at_W_worst", "N_star_median", "N_star_min",
                                      "N_star_max", "N_star_over_W_median",
                                      "N_star_over_R_exact_median"]),

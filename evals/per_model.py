@@ -19,6 +19,11 @@ question about models, not examples:
 
 A model *fails* at a mode when, on some family where it is competent, its drop is significant
 after Holm correction over those families (p_holm < alpha) and larger than FAIL_MIN_DROP.
+Every drop is also read on the documents whose evidence lies inside the replayed span (x <= N:
+the fact, or the start of the counted span, at most N tokens back): there a bounded replay has
+every token the answer needs, and a drop (`fails_inside`) is window state from beyond the
+replay start that deeper decoder layers carried in, the loss the paper's receptive-field
+argument is about; beyond it (x > N) the answer needs the global read to carry the evidence.
 """
 
 from __future__ import annotations
@@ -58,23 +63,36 @@ def model_drops(results: pd.DataFrame, marks: dict, alpha: float = 0.05) -> pd.D
             ref = full.reindex(mine.index)
             keep = ref.notna()
             mine, ref = mine[keep], ref[keep].astype(bool)
-            b, c = int((ref & ~mine).sum()), int((mine & ~ref).sum())
+            # inside: the documents whose evidence (x: the distance of the fact or of the
+            # counted span's start) lies within the replayed span, x <= N; a drop there is
+            # window state from beyond the replay that deeper layers carried in
+            x = pd.to_numeric(cell.set_index("id")["x"].reindex(mine.index), errors="coerce")
+            inside = (x <= n_replay).to_numpy()
             kl = float(cell["kl_answer"].mean()) if "kl_answer" in cell else math.nan
             rows.append({"job": job, "seed": int(seed), "family": family, "mode": mode,
-                         "N": int(n_replay), "n": int(len(mine)), "acc_full": acc_full,
+                         "N": int(n_replay), "acc_full": acc_full,
                          "competent": acc_full >= COMPETENT, "acc_mode": float(mine.mean()),
-                         "difference": (c - b) / len(mine) if len(mine) else math.nan,
-                         "full_only": b, "mode_only": c,
-                         "p_value": binomial_two_sided(b, b + c), "kl_answer": kl})
+                         **_paired(ref, mine), **_paired(ref[inside], mine[inside], "_inside"),
+                         "kl_answer": kl})
     table = pd.DataFrame(rows)
     if table.empty:
         return table
-    table["p_holm"] = table["p_value"]
-    for _, part in table[table["competent"]].groupby(["job", "seed", "mode"]):
-        table.loc[part.index, "p_holm"] = holm(part["p_value"].tolist())
-    table["fails"] = (table["competent"] & (table["p_holm"] < alpha)
-                      & (table["difference"] < -FAIL_MIN_DROP))
+    for suffix in ("", "_inside"):
+        table[f"p_holm{suffix}"] = table[f"p_value{suffix}"]
+        for _, part in table[table["competent"]].groupby(["job", "seed", "mode"]):
+            table.loc[part.index, f"p_holm{suffix}"] = holm(part[f"p_value{suffix}"].tolist())
+        table[f"fails{suffix}"] = (table["competent"] & (table[f"p_holm{suffix}"] < alpha)
+                                   & (table[f"difference{suffix}"] < -FAIL_MIN_DROP))
     return table.sort_values(["job", "seed", "family", "N"], kind="stable").reset_index(drop=True)
+
+
+def _paired(ref: pd.Series, mine: pd.Series, suffix: str = "") -> dict:
+    """n, the paired difference (mode - full), the discordant counts and the exact McNemar p
+    of two aligned boolean scorings, with `suffix` on every key."""
+    b, c, n = int((ref & ~mine).sum()), int((mine & ~ref).sum()), int(len(mine))
+    return {f"n{suffix}": n, f"difference{suffix}": (c - b) / n if n else math.nan,
+            f"full_only{suffix}": b, f"mode_only{suffix}": c,
+            f"p_value{suffix}": binomial_two_sided(b, b + c)}
 
 
 def model_fails(drops: pd.DataFrame) -> pd.DataFrame:
@@ -87,7 +105,10 @@ def model_fails(drops: pd.DataFrame) -> pd.DataFrame:
                      "competent_families": len(competent),
                      "worst_drop": float(competent["difference"].min()) if len(competent)
                      else math.nan,
-                     "failed": bool(competent["fails"].any())})
+                     "worst_drop_inside": float(competent["difference_inside"].min())
+                     if len(competent) else math.nan,
+                     "failed": bool(competent["fails"].any()),
+                     "failed_inside": bool(competent["fails_inside"].any())})
     return pd.DataFrame(rows)
 
 
@@ -101,8 +122,12 @@ def failure_rates(drops: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame
         part = every[every["competent_families"] > 0]
         k, n = int(part["failed"].sum()), len(part)
         low, high = clopper_pearson(k, n, confidence)
+        k_in = int(part["failed_inside"].sum())
+        low_in, high_in = clopper_pearson(k_in, n, confidence)
         rows.append({"job": job, "mode": mode, "N": int(every["N"].iloc[0]), "models": n,
                      "not_competent": len(every) - n,
+                     "failed_inside": k_in, "rate_inside_low": low_in,
+                     "rate_inside_high": high_in,
                      "failed": k, "rate": k / n if n else math.nan, "rate_low": low,
                      "rate_high": high,
                      "failed_seeds": " ".join(str(s) for s in part[part["failed"]]["seed"])})
@@ -140,5 +165,9 @@ def n_star(drops: pd.DataFrame, marks: dict, max_drop: float = STAR_MAX_DROP,
                      "N_star_over_R_exact": star / r_exact if r_exact else math.nan,
                      "drop_at_W": float(at_w["worst_drop"].iloc[0]) if len(at_w) else math.nan,
                      "failed_at_W": bool(at_w["failed"].iloc[0]) if len(at_w) else np.nan,
+                     "drop_inside_at_W": float(at_w["worst_drop_inside"].iloc[0])
+                     if len(at_w) else math.nan,
+                     "failed_inside_at_W": bool(at_w["failed_inside"].iloc[0])
+                     if len(at_w) else np.nan,
                      "grid": " ".join(str(int(n)) for n in grid)})
     return pd.DataFrame(rows)

@@ -124,3 +124,27 @@ def test_a_model_competent_nowhere_is_left_out_of_the_failure_rate():
     row = failure_rates(model_drops(fake(models), MARKS)).iloc[0]
     assert (row["models"], row["not_competent"], row["failed"]) == (1, 1, 1)
     assert (row["rate_low"], row["rate_high"]) == pytest.approx(clopper_pearson(1, 1))
+
+
+def test_a_drop_is_also_read_where_the_evidence_lies_inside_the_replay():
+    """x <= N: the replay holds every token the answer needs; a drop there is window state
+    carried in from beyond the replay start. Beyond it the global read must carry the fact."""
+    def results(lost_near: int, lost_far: int) -> pd.DataFrame:
+        rows = []
+        for x, lost in (("5", lost_near), ("12", lost_far)):
+            for i in range(200):
+                for mode, ok in (("full", True), ("replay=8", i >= lost)):
+                    rows.append({"job": "L4", "train_seed": 0, "family": "running_count",
+                                 "x": x, "id": f"rc/{x}/{i}", "mode": mode, "correct": ok,
+                                 "kl_answer": 0.0})
+        return pd.DataFrame(rows)
+    far = model_drops(results(0, 40), MARKS).iloc[0]
+    assert far["fails"] and not far["fails_inside"]
+    assert (far["n_inside"], far["difference_inside"]) == (200, 0.0)
+    assert far["difference"] == pytest.approx(-40 / 400)
+    near = model_drops(results(30, 0), MARKS).iloc[0]
+    assert near["fails_inside"] and near["difference_inside"] == pytest.approx(-30 / 200)
+    rates = failure_rates(model_drops(results(0, 40), MARKS)).iloc[0]
+    assert (rates["failed"], rates["failed_inside"]) == (1, 0)
+    star = n_star(model_drops(results(0, 40), MARKS), MARKS).iloc[0]
+    assert star["failed_at_W"] and not star["failed_inside_at_W"]
