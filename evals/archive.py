@@ -10,7 +10,8 @@ of `evals.findings` and `evals.depth` need, as a skeleton study directory:
     suite/<job>/seed<k>/cells.csv      per family x x x mode: n examples, how many `full` and
                                        the mode answered right, the discordant pairs
                                        (full_only, mode_only) and the mean KL at the answer
-    suite/<job>/seed<k>/summary.json   the suite run's settings (W, R_exact, ...)
+    suite/<job>/seed<k>/summary.json   the suite run's checkpoint, model config and settings
+                                       (W, R_exact, ...), without its tables
     runs/<job>/seed<k>/config.yaml     the training config (L_d, arm)
     summary.json                       the driver's invocations (command, commit, time) and
                                        step times, merged over every archived study directory
@@ -88,7 +89,11 @@ def archive(study: Path, into: Path) -> list[str]:
         cells = cells_of(pd.read_csv(results, dtype={"x": str, "target": str,
                                                      "prediction": str}, low_memory=False))
         cells.to_csv(target / CELLS, index=False, float_format="%.6g")
-        shutil.copy(results.parent / "summary.json", target / "summary.json")
+        # the suite run's identity and settings, not its tables (the cells hold those)
+        run = json.loads((results.parent / "summary.json").read_text()).get("run", {})
+        keep = {k: run[k] for k in ("checkpoint", "config", "settings", "examples", "modes",
+                                    "seconds") if k in run}
+        (target / "summary.json").write_text(json.dumps({"run": keep}, indent=1) + "\n")
         config = study / "runs" / label.split("@")[0] / "config.yaml"
         if config.exists():
             (into / "runs" / label.split("@")[0]).mkdir(parents=True, exist_ok=True)
@@ -140,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "into <into>/erf_shares.csv")
     args = p.parse_args(argv)
     study = Path(args.study)
-    if not (study / "suite").is_dir():
-        print(f"error: --study {study}: no suite/ directory", file=sys.stderr)
+    if not (study / "suite").is_dir() and not (study / "summary.json").exists():
+        print(f"error: --study {study}: not a study directory (no suite/, no summary.json)",
+              file=sys.stderr)
         return 2
     labels = archive(study, Path(args.into))
     if args.erf:
