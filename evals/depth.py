@@ -155,16 +155,24 @@ def failure_figure(depth: pd.DataFrame) -> Figure | None:
         return None
     fig = Figure(figsize=(5.5, 3.8))
     ax = fig.subplots()
-    for arm, part in depth.groupby("arm"):
+    for i, (arm, part) in enumerate(depth.groupby("arm")):
         part = part.sort_values("L_d")
         color, marker = ARM_STYLE.get(arm, ("tab:gray", "^"))
+        x = part["L_d"] * 2 ** ((i - 0.5) * 0.06)          # arms side by side
         err = [part["fail_rate"] - part["fail_rate_low"], part["fail_rate_high"] - part["fail_rate"]]
-        ax.errorbar(part["L_d"], part["fail_rate"], yerr=err, color=color, marker=marker,
-                    capsize=3, label=f"{arm} (models per point: "
+        ax.errorbar(x, part["fail_rate"], yerr=err, color=color, marker=marker,
+                    capsize=3, label=f"{arm}, all documents (models per point: "
                     f"{'/'.join(str(int(n)) for n in part['judged'])})")
+        if "failed_inside_at_W" in part:
+            rate = part["failed_inside_at_W"] / part["judged"]
+            err = [rate - part["fail_inside_low"], part["fail_inside_high"] - rate]
+            ax.errorbar(x * 2 ** 0.03, rate, yerr=err, color=color, marker=marker, ls="--",
+                        mfc="white", capsize=3,
+                        label=f"{arm}, evidence inside the replay (x <= N)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(depth["L_d"].unique()))
     ax.set_xticklabels([str(int(x)) for x in sorted(depth["L_d"].unique())])
+    ax.set_xlim(depth["L_d"].min() / 1.5, depth["L_d"].max() * 1.5)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("decoder layers L_d (W = 8; N = W is W / R_exact of the reach)")
     ax.set_ylabel("models that fail at N = W")
