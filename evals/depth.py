@@ -10,17 +10,18 @@ the seed-pooled tables of `evals.findings` (which it runs first, into the same -
   depth.csv        per job: L_d, arm, R_exact, N = W as a share of R_exact, models (trained),
                    competent models per family, the models that fail at N = W with the exact
                    Clopper-Pearson 95% CI of the rate (and those that fail on the documents
-                   whose evidence lies inside the replay, x <= N: `evals.per_model`), the worst competent family's drop at
-                   N = W over the models (median, min), and N* per model (median, min, max; as
-                   multiples of W and shares of R_exact)
+                   whose evidence lies inside the replay, x <= N: `evals.per_model`), the
+                   worst competent family's drop at N = W over the models (median, min), and
+                   N* per model (median, min, max; as multiples of W and shares of R_exact)
   drop_at_W.csv    per job x family: the drop at N = W pooled over seeds, with its example-level
                    and seed-level CIs and the number of models (from capability_drop.csv)
   failure_vs_depth.png   the failure rate at N = W against L_d per arm, with its exact CI
   n_star_vs_depth.png    N*/W and N*/R_exact against L_d, one point per model
   mechanism.csv, mechanism.png   (with --erf: a DIR written by `python -m evals.erf` over the
-                   study's checkpoints, or the erf_shares.csv of an `evals.archive`) per model, the share of the decoder's gradient influence
-                   at distance >= W and >= 2W beside N*, and Spearman's rank correlation of each
-                   share with N* over every model and within each depth
+                   study's checkpoints, or the erf_shares.csv of an `evals.archive`) per model,
+                   the share of the decoder's gradient influence at distance >= W and >= 2W
+                   beside N*, and Spearman's rank correlation of each share with N* over every
+                   model and within each depth
   depth.md         the tables above in Markdown
 
 A model fails at N = W when, on a family where it is competent (full >= 0.9), its drop is
@@ -159,7 +160,8 @@ def failure_figure(depth: pd.DataFrame) -> Figure | None:
         part = part.sort_values("L_d")
         color, marker = ARM_STYLE.get(arm, ("tab:gray", "^"))
         x = part["L_d"] * 2 ** ((i - 0.5) * 0.06)          # arms side by side
-        err = [part["fail_rate"] - part["fail_rate_low"], part["fail_rate_high"] - part["fail_rate"]]
+        err = [part["fail_rate"] - part["fail_rate_low"],
+               part["fail_rate_high"] - part["fail_rate"]]
         ax.errorbar(x, part["fail_rate"], yerr=err, color=color, marker=marker,
                     capsize=3, label=f"{arm}, all documents (models per point: "
                     f"{'/'.join(str(int(n)) for n in part['judged'])})")

@@ -140,8 +140,8 @@ def n_star(drops: pd.DataFrame, marks: dict, max_drop: float = STAR_MAX_DROP,
            max_kl: float = STAR_MAX_KL) -> pd.DataFrame:
     """One row per model: job, seed, W, R_exact, N* (see module doc), N*/W, N*/R_exact,
     `drop_at_W` (the worst competent family's drop at N = W), `failed_at_W`, and `grid` (the
-    N evaluated from W up to R_exact). A model whose suite has no mode at N = W gets NaN there. A model
-    competent in no family has no N* (NaN): nothing can be lost."""
+    N evaluated from W up to R_exact). A model whose suite has no mode at N = W gets NaN
+    there. A model competent in no family has no N* (NaN): nothing can be lost."""
     rows = []
     fails = model_fails(drops)
     for (job, seed), part in drops.groupby(["job", "seed"], sort=True):

@@ -118,8 +118,8 @@ def training_overrides(spec: StudyConfig, job_name: str, seed: int) -> list[str]
     (normalised, without bookkeeping keys): the input of the training step's config hash, and
     what `reuse=` matches across studies."""
     job = next(j for j in spec.jobs if j.name == job_name)
-    return normalise_overrides([o for o in [*spec.train, *job.overrides, *seed_overrides(spec, seed)]
-                                if not _is_bookkeeping(o)])
+    items = [*spec.train, *job.overrides, *seed_overrides(spec, seed)]
+    return normalise_overrides([o for o in items if not _is_bookkeeping(o)])
 
 
 def seed_overrides(spec: StudyConfig, seed: int) -> list[str]:

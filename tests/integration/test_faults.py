@@ -126,7 +126,8 @@ def test_resume_with_a_changed_data_config_is_refused_naming_the_key(tmp_path):
     assert record["step"] == 4
     assert record["changed"] == {"data.only": [["kv_recall", "copy"], ["copy"]],
                                  "train.steps": [4, 6]}
-    assert "allow_config_change:\n  - train.steps\n  - data.only" in (run / "config.yaml").read_text()
+    saved = (run / "config.yaml").read_text()
+    assert "allow_config_change:\n  - train.steps\n  - data.only" in saved
     state = json.loads((run / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
     assert state["config_changes"] == [record]
 

@@ -338,7 +338,8 @@ def _refused_and_untouched(run: Path, expected: str, *overrides: str) -> str:
 def test_resume_with_a_different_model_shape_is_refused_without_writing(base_run, tmp_path):
     run = copy_run(base_run, tmp_path)
     message = _refused_and_untouched(run, "step_00000004/model.safetensors:",
-                                     "train.steps=6", EXTEND, "train.resume=auto", "model.d_model=48")
+                                     "train.steps=6", EXTEND, "train.resume=auto",
+                                     "model.d_model=48")
     assert "has shape" in message and "model config gives" in message
 
 
@@ -369,8 +370,8 @@ def test_a_garbled_metrics_line_before_the_last_is_refused_naming_it(base_run, t
 
 def test_damaged_resume_through_the_entry_point_is_one_line(base_run, tmp_path):
     run = copy_run(base_run, tmp_path)
-    done = run_train(run, *STEPS4, "train.steps=6", EXTEND, "train.resume=auto", "model.d_model=48",
-                     check=False)
+    done = run_train(run, *STEPS4, "train.steps=6", EXTEND, "train.resume=auto",
+                     "model.d_model=48", check=False)
     assert done.returncode == 2
     line = one_line(done.stderr)
     assert line.startswith("error: train.resume=auto: ") and "model.safetensors" in line
