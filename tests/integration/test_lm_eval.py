@@ -60,7 +60,8 @@ def requests(kind: str, args: list[tuple]) -> list[Instance]:
 # Prompts full of repeats among them: identical windows give global entries equal in exact
 # arithmetic, which the engine and the parallel forward compute with different kernels; the
 # indexer's scores are rounded before the top-k (docs/api.md, "Ties in the top-k"), so such
-# near-ties break alike on both paths and the exact comparison with the full forward holds on them too.
+# near-ties break alike on both paths and the exact comparison with the full forward holds on
+# them too.
 PAIRS = [("ko lusa K=7 be Q=3 du ma X=1 zo pe N=4 tavi ?K=", "7"),
          ("vu 4 ka 9 mi 2 lo 8 nefa duri ?ka ", "9 "),
          ("", "abc"),                                   # empty context: BOS alone
