@@ -58,12 +58,9 @@ VARIANTS = tuple(VARIANT_TRAITS)
 GLOBAL_READS = ("auto", "gather", "masked")
 # With global_read="auto", a block of queries reads its top-k entries through the masked dense
 # matmul while the visible entries number at most this many times the top-k slots, divided by
-# the query heads per K/V head (global_kv_heads). Measured on CPU (a block of 128 queries, 4
-# heads of 64, k = 64, forward + backward of `attend`): with multi-head entries the masked read
-# is 4.7x faster than the gather at 8 entries per slot, level at 32, and 4x slower at 64. The
-# gather copies each entry once per K/V head, so with fewer K/V heads it is cheaper and the
-# crossing comes earlier; 2026-12-03, 2 threads: level at 16 entries per slot with 2 K/V heads
-# for 4 query heads, at 8 with 1 (then 3.6x faster than the masked read at 32).
+# the query heads per K/V head (global_kv_heads): where the two reads cost the same on CPU (the
+# gather copies each entry once per K/V head). The measurements: benchmarks/README.md, "The
+# auto rule of the top-k read".
 MASKED_READ_MAX_RATIO = 32
 # CPU GEMMs ran up to 1.3x slower at a SwiGLU width such as 683 than at 688 (issue 10's
 # benchmark): the MLP runs its hidden width padded to a multiple of this (`executed_ff_dim`).

@@ -657,11 +657,10 @@ def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
     """Whether `_FlashRead` takes these key sets: the fused kernel for plain sets, and its
     grouped matmuls for gathered ones, in float32/float64 (in bf16 the reference's softmax over
     the concatenated logits stays the one place that rounds them) and for more than one query
-    (one decode query: the reference's few small matmuls cost less than the node; measured
-    2026-12-03, a decode step of bench-peer's ced 55-61 ms by the reference, 67 ms in the
-    node). In a training forward the node saves the per-block slice gradients of q and of the
-    window K/V (bench-peer's ced_mq at 2 x 2048, same process, 8 paired steps: 7.05 s against
-    7.7 s)."""
+    (one decode query: the reference's few small matmuls cost less than the node). In a
+    training forward the node saves the per-block slice gradients of q and of the window K/V.
+    Timings of both choices: benchmarks/README.md, "Gathered reads inside the fused node:
+    decode and training timings"."""
     return _fused_kernel_takes(q) and all(
         ks.k.dtype == q.dtype and ks.v.dtype == q.dtype
         and (not ks.gathered or (q.dtype in (torch.float32, torch.float64) and q.shape[2] > 1))
@@ -1258,8 +1257,8 @@ class CEDModel(nn.Module):
         if input_ids.dtype == torch.bool or input_ids.is_floating_point():
             raise ValueError(f"input_ids: token ids must have an integer dtype (torch.long); "
                              f"got {input_ids.dtype}")
-        if input_ids.numel():       # one min/max per call, as the engine checks its ids
-            low, high = int(input_ids.min()), int(input_ids.max())
+        if input_ids.numel():       # one min/max per call (one device sync), as the engine does
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
             if low < 0 or high >= cfg.vocab_size:
                 raise ValueError(f"input_ids: token ids must lie in [0, {cfg.vocab_size}) "
                                  f"(ModelConfig.vocab_size); got values from {low} to {high}")

@@ -301,15 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "archive keeps (mechanism tables)")
     p.add_argument("--alpha", type=float, default=0.05)
     args = p.parse_args(argv)
-    try:
-        paths = write(Path(args.study), Path(args.out), Path(args.erf) if args.erf else None,
-                      args.alpha)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for name, path in paths.items():
-        print(f"[depth] {name}: {path}")
-    return 0
+    erf = Path(args.erf) if args.erf else None
+    return findings.list_written("depth", lambda: write(Path(args.study), Path(args.out), erf,
+                                                        args.alpha))
 
 
 if __name__ == "__main__":

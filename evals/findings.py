@@ -716,13 +716,19 @@ def main(argv: list[str] | None = None) -> int:
     study = Path(args.study)
     if not (study / "suite").is_dir():
         p.error(f"--study {study}: no suite/ directory (is it a study directory?)")
+    return list_written("findings", lambda: write_findings(study, Path(args.out), args.alpha))
+
+
+def list_written(tag: str, write) -> int:
+    """Run `write()` (-> {name: path}) and print each path as `[tag] name: path`; a missing
+    input (FileNotFoundError) is one line and exit code 2."""
     try:
-        written = write_findings(study, Path(args.out), args.alpha)
+        written = write()
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for name, path in written.items():
-        print(f"[findings] {name}: {path}")
+        print(f"[{tag}] {name}: {path}")
     return 0
 
 
