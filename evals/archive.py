@@ -120,17 +120,19 @@ def archive_erf(erf_dir: Path, into: Path) -> Path:
 
 
 def _merge_summary(source: Path, target: Path) -> None:
-    """The archive's summary.json: every invocation of every archived study directory (once)
-    and the steps' records, later ones replacing earlier ones of the same key."""
+    """The archive's summary.json: every invocation of every archived study directory once
+    (one invocation, archived again while it ran on, keeps its latest record: same command,
+    commit and start) and the steps' records, later ones replacing earlier ones of the key."""
     if not source.exists():
         return
     new = json.loads(source.read_text())
     old = json.loads(target.read_text()) if target.exists() else {}
-    seen = {json.dumps(i, sort_keys=True) for i in old.get("invocations", [])}
+    invocations: dict = {}
+    for record in old.get("invocations", []) + new.get("invocations", []):
+        key = (record.get("command"), record.get("commit"), record.get("started"))
+        invocations[key] = record
     merged = {**new, "steps": {**old.get("steps", {}), **new.get("steps", {})},
-              "invocations": old.get("invocations", []) + [
-                  i for i in new.get("invocations", [])
-                  if json.dumps(i, sort_keys=True) not in seen]}
+              "invocations": sorted(invocations.values(), key=lambda r: r.get("started", ""))}
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(merged, indent=1) + "\n")
 

@@ -79,3 +79,16 @@ def test_archives_from_two_sessions_read_as_one_study(tmp_path):
     assert (into / "runs" / "L20" / "seed0" / "config.yaml").exists()
     invocations = json.loads((into / "summary.json").read_text())["invocations"]
     assert [i["command"] for i in invocations] == ["run a", "run b"]
+
+
+def test_an_invocation_archived_twice_while_it_ran_is_kept_once(tmp_path):
+    study, into = tmp_path / "s", tmp_path / "archive"
+    write_study(study, [("L2", 0)])
+    running = {"command": "run", "commit": "abc", "started": "t0", "elapsed_s": 10}
+    (study / "summary.json").write_text(json.dumps({"steps": {}, "invocations": [running]}))
+    archive(study, into)
+    (study / "summary.json").write_text(json.dumps(
+        {"steps": {}, "invocations": [{**running, "elapsed_s": 99}]}))
+    archive(study, into)
+    invocations = json.loads((into / "summary.json").read_text())["invocations"]
+    assert [i["elapsed_s"] for i in invocations] == [99]
