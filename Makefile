@@ -55,8 +55,12 @@ bench-learning: $(VENV)/.installed
 
 # On a CUDA machine: exactness of engine vs forward on the device, train-step and prefill
 # timings per variant -> benchmarks/results/gpu_check.json (says so and checks nothing on CPU).
-gpu-check: $(VENV)/.installed
-	$(PY) benchmarks/gpu_check.py
+# On a machine whose own python has a CUDA torch (no venv to build, no network):
+#   make gpu-check GPU_PY=python3 GPU_ARGS="--out /tmp/gpu"
+GPU_PY ?= $(PY)
+GPU_ARGS ?=
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.installed)
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

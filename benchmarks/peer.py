@@ -59,7 +59,7 @@ def model_config(variant: str, **overrides) -> ModelConfig:
     per global entry), with `overrides` (--set) on top."""
     fields = {"ced": CED_FIELDS, "ced_mq": {**CED_FIELDS, "global_kv_heads": 1}}.get(variant, {})
     return ModelConfig(variant="ced" if variant == "ced_mq" else variant,
-                       **COMMON, **{**fields, **overrides})
+                       **{**COMMON, **fields, **overrides})
 
 
 def build(name: str, overrides: dict, compile_mode: str = "none") -> torch.nn.Module:

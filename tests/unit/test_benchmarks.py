@@ -26,6 +26,40 @@ def test_gpu_check_exactness_routine_holds_on_cpu():
     assert set(result["ced"]["max_abs_diff"]) == {"None", "exact", "3"}
 
 
+def test_gpu_check_runs_every_section_at_toy_size_on_cpu(tmp_path):
+    """Every cell of the GPU check runs (none errors or is skipped), the ratios to the GPT
+    are computed, and the JSON and table are written: the script is known to run before a
+    GPU is lent."""
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--warmup", "0", "--iters", "1",
+                           "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert all(row["ok"] for row in result["exactness"].values())
+    for section, shapes in (("short", ["2x64"]), ("long", ["1x128"])):
+        assert sorted(result[section]) == shapes
+        for kinds in result[section].values():
+            for kind, rows in kinds.items():
+                names = {n.split(":")[0] for n in rows}
+                assert names == set(gpu_check.MODELS), (section, kind)
+                for name, row in rows.items():
+                    assert "median_s" in row, (section, kind, name, row)
+                    ratio = row.get("ratio_to_gpt", row.get("ratio_to_gpt_forward"))
+                    assert ratio and ratio > 0, (section, kind, name)
+    prefill = result["long"]["1x128"]["prefill_bf16"]
+    assert set(prefill) == {"gpt:full", "dense:full", "swa:full", "yoco:full", "yoco:W",
+                            "ced:full", "ced:W"}
+    assert "| ced |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_records_a_failing_cell_and_goes_on(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of luck")
+    monkeypatch.setattr(gpu_check, "train_step", broken)
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--sections", "short", "--warmup", "0",
+                           "--iters", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["short"]["2x64"]["train_fp32"]
+    assert rows["ced"] == {"error": "RuntimeError: out of luck"}
+
+
 def test_peer_benchmark_writes_its_table(tmp_path):
     assert peer.main(["--shapes", "1x32", "--steps", "1", "--warmup", "0", "--variants",
                       "ced,swa", "--out", str(tmp_path)]) == 0
