@@ -42,6 +42,7 @@ from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, Sto
                          directory_bytes, first_non_finite, guarded_write, read_json,
                          remove_orphans, save_model)
 from .cli import fail as _fail
+from .config import ModelConfig
 from .data import ByteTokenizer, answer_accuracy, build_source
 from .model import CEDModel, current_attention_kernel
 from .runlock import DirectoryLocked, directory_lock
@@ -70,12 +71,14 @@ NOT_FINISHED = 75
 # ---- replay simulation (docs/semantics.md section 4.4) ---------------------------------------
 
 def sample_replay_starts(sim: ReplaySimulation, row_ids: torch.Tensor, seq_len: int,
-                         seed: int) -> torch.Tensor | None:
+                         seed: int, model: ModelConfig | None = None) -> torch.Tensor | None:
     """Replay starts LongTensor[B, K] for the rows `row_ids` [B] (global row indices, so the
     draw does not depend on how rows are split over processes); 0 means no truncation.
-    Returns None when the simulation is off."""
+    Returns None when the simulation is off. `model` resolves a length written as a form
+    (train.replay.length=W); an int length needs none."""
     if sim.probability <= 0:
         return None
+    longest = sim.length if isinstance(sim.length, int) else sim.resolved_length(model)
     starts = torch.zeros(len(row_ids), sim.starts_per_sequence, dtype=torch.long)
     for b, row in enumerate(row_ids.tolist()):
         rng = random.Random(f"replay:{seed}:{row}")
@@ -83,8 +86,8 @@ def sample_replay_starts(sim: ReplaySimulation, row_ids: torch.Tensor, seq_len: 
             continue
         for k in range(sim.starts_per_sequence):
             prompt_end = seq_len if sim.starts_per_sequence == 1 else rng.randint(1, seq_len)
-            length = (sim.length if sim.distribution == "fixed"
-                      else rng.randint(sim.min_length, sim.length))
+            length = (longest if sim.distribution == "fixed"
+                      else rng.randint(sim.min_length, longest))
             starts[b, k] = max(prompt_end - length, 0)
     return starts
 
@@ -716,7 +719,8 @@ def _micro_batches(run: _Run, step: int) -> list[dict]:
                  + run.accelerator.process_index * run.per_rank)
         batch = run.train_source.rows(first, run.per_rank, t.seq_len)
         batch["replay_starts"] = sample_replay_starts(
-            t.replay, torch.arange(first, first + run.per_rank), t.seq_len, t.seed)
+            t.replay, torch.arange(first, first + run.per_rank), t.seq_len, t.seed,
+            run.cfg.model)
         micro_batches.append(batch)
     for batch in micro_batches:
         batch["weights"] = token_weights(batch, t.loss_on, t.answer_weight)

@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .config import ModelConfig
+from .config import ModelConfig, parse_replay_form, replay_length
 from .data import DataConfig
 
 
@@ -83,11 +83,13 @@ class ReplaySimulation:
     (distribution=fixed) or uniform in [min_length, length] (distribution=uniform). With one
     start, T is the sequence length; with several, each start's T is a uniformly drawn prompt
     end, so the starts cut the sequence into segments. A query at i is truncated at the latest
-    start s <= i, in decoder windows, and in encoder windows too when `encoder` is true."""
+    start s <= i, in decoder windows, and in encoder windows too when `encoder` is true.
+    `length` takes every replay form (32, W, W/2, 2W, R_exact: `ced.config.parse_replay_form`);
+    `TrainConfig` resolves it against the model (`resolved_length`)."""
 
     probability: float = 0.0
     distribution: str = "fixed"
-    length: int = 32
+    length: Any = 32
     min_length: int = 1
     starts_per_sequence: int = 1
     encoder: bool = False
@@ -98,11 +100,20 @@ class ReplaySimulation:
                  self.probability)
         _require(self.distribution in ("fixed", "uniform"), f"{key}.distribution",
                  "must be 'fixed' or 'uniform'", self.distribution)
-        _require(self.length >= 1, f"{key}.length", "must be >= 1", self.length)
-        _require(1 <= self.min_length <= self.length, f"{key}.min_length",
-                 f"must lie in [1, length={self.length}]", self.min_length)
+        self.length = parse_replay_form(self.length, f"{key}.length")
+        _require(self.min_length >= 1, f"{key}.min_length", "must be >= 1", self.min_length)
+        if isinstance(self.length, int):
+            self.check_min_length(self.length)
         _require(self.starts_per_sequence >= 1, f"{key}.starts_per_sequence", "must be >= 1",
                  self.starts_per_sequence)
+
+    def check_min_length(self, length: int) -> None:
+        _require(self.min_length <= length, "train.replay.min_length",
+                 f"must lie in [1, length={length}]", self.min_length)
+
+    def resolved_length(self, model: ModelConfig) -> int:
+        """`length` as a number of positions for `model` (W forms and R_exact resolved)."""
+        return replay_length(model, self.length, name="train.replay.length")
 
 
 @dataclass
@@ -207,6 +218,12 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        sim = self.train.replay
+        if sim.probability > 0 and not isinstance(sim.length, int):
+            # a W form or R_exact needs the model; an int was checked on its own
+            sim.check_min_length(sim.resolved_length(self.model))
 
 
 def _unknown_keys(node: Any, schema: Any, prefix: str) -> None:

@@ -5,7 +5,11 @@ so every number in a report comes from the same engine path.
 A mode is written as a short string:
 
     full                          every token through every layer (the exact oracle, on the engine)
-    replay=32 | replay=exact      early-exit prefill with bounded / exact decoder replay
+    replay=32 | replay=exact      early-exit prefill with bounded / exact decoder replay; a
+                                  replay takes every form of `ced.config.parse_replay_form`
+                                  (32, W, W/2, 2W, R_exact, exact), and `resolve_mode` turns
+                                  a window form into its length for one model (replay=W ->
+                                  replay=16 at W = 16) before the mode is run or recorded
     turn=8,policy=suffix_only,replay=32[,encoder_replay=64|exact][,prefix_cache=0]
                                   the context's last 8 tokens are a new turn appended to a
                                   cached prefix (docs/semantics.md 4.3); a prefix cache
@@ -18,6 +22,7 @@ A mode is written as a short string:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ced import InferenceEngine
+from ced.config import ModelConfig, parse_replay_form, replay_length
 from ced.inference import POLICIES
 
 
@@ -38,22 +44,57 @@ class Mode:
     prefix_cache: bool = True
 
 
-def _int_value(text: str, key: str, mode: str, allow_exact: bool) -> int | str:
-    """An int >= 1 (or 'exact' where allowed), else a one-line ValueError naming the key."""
-    if allow_exact and text == "exact":
-        return "exact"
+def _int_value(text: str, key: str, mode: str) -> int:
+    """An int >= 1, else a one-line ValueError naming the key."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        allowed = "an int >= 1 or 'exact'" if allow_exact else "an int >= 1"
-        raise ValueError(f"mode {mode!r}: {key} must be {allowed}; got {text!r}")
+        raise ValueError(f"mode {mode!r}: {key} must be an int >= 1; got {text!r}")
     return value
 
 
 def _replay_value(text: str, key: str = "replay", mode: str = "") -> int | str:
-    return _int_value(text, key, mode or f"{key}={text}", allow_exact=True)
+    """A replay form, kept as written ('R_exact' as 'exact'): an int, 'exact' or 'W/2'."""
+    try:
+        value = parse_replay_form(text, key)
+    except ValueError as exc:
+        raise ValueError(f"mode {mode or f'{key}={text}'!r}: {exc}") from None
+    return "exact" if value == "R_exact" else value
+
+
+def format_mode(mode: Mode) -> str:
+    """The mode's text in the grammar's order: the inverse of `parse_mode` (as a name)."""
+    if mode.replay is None and mode.turn is None:
+        return "full"
+    if mode.turn is None:
+        return f"replay={mode.replay}"
+    parts = [f"turn={mode.turn}", f"policy={mode.policy}"]
+    if mode.replay is not None:
+        parts.append(f"replay={mode.replay}")
+    if not mode.prefix_cache:
+        parts.append("prefix_cache=0")
+    elif mode.encoder_replay is not None:
+        parts.append(f"encoder_replay={mode.encoder_replay}")
+    return ",".join(parts)
+
+
+def resolve_mode(mode: Mode, cfg: ModelConfig) -> Mode:
+    """`mode` for one model: a window form of its replay or encoder replay becomes that model's
+    length (`ced.config.replay_length`), and the name is rewritten to say so (replay=W ->
+    replay=16), so results name the length that ran. Ints and 'exact' stay as they are; a
+    mode with no window form is returned unchanged, name included."""
+    def length(value, part: str, key: str):
+        if not isinstance(value, str) or value == "exact":
+            return value
+        return replay_length(cfg, value, part=part, name=f"mode {mode.name!r}: {key}")
+    replay = length(mode.replay, "decoder", "replay")
+    encoder = length(mode.encoder_replay, "encoder", "encoder_replay")
+    if (replay, encoder) == (mode.replay, mode.encoder_replay):
+        return mode
+    resolved = dataclasses.replace(mode, replay=replay, encoder_replay=encoder)
+    return dataclasses.replace(resolved, name=format_mode(resolved))
 
 
 def parse_mode(text: str) -> Mode:
@@ -90,7 +131,7 @@ def parse_mode(text: str) -> Mode:
         raise ValueError(f"mode {text!r}: prefix_cache must be 0, 1, false or true; got "
                          f"{fields['prefix_cache']!r}")
     prefix_cache = flag in ("1", "true")
-    turn = _int_value(fields["turn"], "turn", text, allow_exact=False)
+    turn = _int_value(fields["turn"], "turn", text)
     if prefix_cache and encoder_replay is None:
         encoder_replay = "exact"
     return Mode(text, replay=replay, turn=turn, policy=policy,
@@ -106,6 +147,9 @@ def promises_exact(mode: Mode, r_exact: int) -> bool:
     `encoder_replay` with encoder_replay 'exact', `keep_decoder_swa`; `suffix_only` only when
     the replay lies within the turn). An exact mode that changes an answer is a bug, or
     float32 round-off at a near-tie (`evals.findings` flags it)."""
+    if isinstance(mode.replay, str) and mode.replay != "exact":
+        raise ValueError(f"mode {mode.name!r}: resolve its window form for a model first "
+                         "(evals.modes.resolve_mode)")
     if mode.replay is None:
         n = math.inf
     else:

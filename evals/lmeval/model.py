@@ -39,7 +39,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from ced.data import ByteTokenizer
-from evals.modes import Mode, mode_generate, mode_logits, parse_mode
+from evals.modes import Mode, mode_generate, mode_logits, parse_mode, resolve_mode
 
 log = logging.getLogger(__name__)
 _TOK = ByteTokenizer()
@@ -127,6 +127,11 @@ class CEDLM(LM):
         if self.mode.replay is not None and not self.cfg.has_decoder:
             raise ModelArgsError(f"ced: replay needs a decoder; variant {self.cfg.variant!r} "
                                  f"has none")
+        try:    # replay=W and the other window forms: this checkpoint's own length
+            self.mode = resolve_mode(self.mode, self.cfg)
+        except ValueError as exc:
+            raise ModelArgsError(f"ced: model_args: {exc}") from None
+        self.mode_name = self.mode.name
         # rolling windows start from a lone BOS: no turn to split off
         self.rolling_mode = parse_mode("full" if self.mode.replay is None
                                        else f"replay={self.mode.replay}")

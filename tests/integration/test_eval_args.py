@@ -40,15 +40,19 @@ def last_line(text: str) -> str:
     return [line for line in text.splitlines() if line.strip()][-1]
 
 
+FORMS = "replay: expected N (an int >= 1), W, W/k, kW, kW/d, R_exact or exact; got"
+
+
 # ---- mode strings --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,message", [
-    ("replay=abc", "replay must be an int >= 1 or 'exact'; got 'abc'"),
-    ("replay=0", "replay must be an int >= 1 or 'exact'; got '0'"),
-    ("replay=", "replay must be an int >= 1 or 'exact'; got ''"),
+    ("replay=abc", f"{FORMS} 'abc'"),
+    ("replay=0", f"{FORMS} '0'"),
+    ("replay=", f"{FORMS} ''"),
+    ("replay=W/0", f"{FORMS} 'W/0'"),
     ("turn=x,policy=suffix_only", "turn must be an int >= 1; got 'x'"),
     ("turn=exact,policy=suffix_only", "turn must be an int >= 1; got 'exact'"),
-    ("turn=3,policy=suffix_only,encoder_replay=2.5", "encoder_replay must be an int >= 1"),
+    ("turn=3,policy=suffix_only,encoder_replay=2.5", "encoder_replay: expected N (an int >= 1)"),
     ("turn=3,prefix_cache=maybe", "prefix_cache must be 0, 1, false or true; got 'maybe'"),
     ("turn=3,policy=magic", "policy must be one of"),
     ("replya=4", "unknown key(s) ['replya']; allowed:"),
@@ -66,8 +70,8 @@ def test_bad_mode_strings_are_one_line_errors_naming_the_key(text, message):
 @pytest.mark.parametrize("args,message", [
     ({"replya": "4"}, "unknown model_args key(s) ['replya']; allowed: ['checkpoint', 'replay'"),
     ({"replay": "4", "polcy": "suffix_only"}, "unknown model_args key(s) ['polcy']"),
-    ({"replay": "abc"}, "replay must be an int >= 1 or 'exact'; got 'abc'"),
-    ({"mode": "replay=x"}, "mode 'replay=x': replay must be"),
+    ({"replay": "abc"}, f"{FORMS} 'abc'"),
+    ({"mode": "replay=x"}, f"mode 'replay=x': {FORMS} 'x'"),
     ({"turn": "two", "replay": "4"}, "turn must be an int >= 1; got 'two'"),
     ({"max_gen_toks": "many"}, "max_gen_toks must be an int >= 1"),
     ({"topk": "lots"}, "ced: invalid literal"),

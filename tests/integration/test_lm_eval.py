@@ -87,6 +87,10 @@ def engine_ll(model, context: str, continuation: str, mode: str) -> tuple[float,
     ({"turn": 3, "policy": "suffix_only", "replay": 5}, "turn=3,policy=suffix_only,replay=5"),
     ({"mode": "turn=3;policy=cached_hidden;replay=exact"},
      "turn=3,policy=cached_hidden,replay=exact"),
+    # window forms resolve against the checkpoint's own W (6 here), and the name says so
+    ({"replay": "W/2"}, "replay=3"),
+    ({"turn": 3, "policy": "suffix_only", "replay": "W"},
+     "turn=3,policy=suffix_only,replay=6,encoder_replay=exact"),
 ])
 def test_loglikelihood_is_the_engines(checkpoint, model, args, mode):
     lm = CEDLM(checkpoint=str(checkpoint), dtype="float64", batch_size=2, **args)
@@ -159,6 +163,9 @@ def test_model_args():
         build_mode(replay=3, mode="replay=4")
     with pytest.raises(ValueError, match="checkpoint"):
         CEDLM()
+    with pytest.raises(ValueError, match=r"^ced: model_args: mode 'replay=W/0': replay: "
+                                         r"expected N .* got 'W/0'$"):
+        CEDLM(replay="W/0")
 
 
 @pytest.fixture(scope="module")

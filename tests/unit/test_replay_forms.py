@@ -257,3 +257,75 @@ def test_the_suite_resolves_forms_against_its_checkpoint(tmp_path):
                        families=["running_count"], make_plot=False, progress=False)
     assert sorted({r["mode"] for r in result["rows"]}) == ["full", "replay=4", "replay=8",
                                                             "replay=exact"]
+
+
+# ---- the mode grammar and the training simulation take the same forms ------------------------
+
+@pytest.mark.parametrize("text,replay,resolved_name", [
+    ("replay=W", "W", "replay=16"),
+    ("replay=W/2", "W/2", "replay=8"),
+    ("replay=3W/2", "3W/2", "replay=24"),
+    ("replay=R_exact", "exact", "replay=R_exact"),     # 'exact' needs no resolving
+    ("replay=12", 12, "replay=12"),
+    ("turn=4,policy=encoder_replay,replay=W,encoder_replay=2W",
+     "W", "turn=4,policy=encoder_replay,replay=16,encoder_replay=32"),
+])
+def test_modes_take_every_form_and_resolve_per_model(text, replay, resolved_name):
+    from evals.modes import parse_mode, resolve_mode
+    cfg = tiny_config(window=16, topk=4, max_seq_len=256)
+    mode = parse_mode(text)
+    assert mode.replay == replay
+    resolved = resolve_mode(mode, cfg)
+    assert resolved.name == resolved_name
+    if isinstance(replay, str) and replay != "exact":
+        assert resolved.replay == replay_length(cfg, replay)
+        assert parse_mode(resolved.name) == resolved      # the name parses back to the mode
+    else:
+        assert resolved is mode
+
+
+@pytest.mark.parametrize("bad", ["W/0", "2W+", "0", "-3", "Wx", "exactly"])
+def test_modes_refuse_a_malformed_form_in_one_line(bad):
+    from evals.modes import parse_mode
+    with pytest.raises(ValueError) as caught:
+        parse_mode(f"replay={bad}")
+    assert str(caught.value) == (f"mode 'replay={bad}': replay: expected N (an int >= 1), W, "
+                                 f"W/k, kW, kW/d, R_exact or exact; got '{bad}'")
+
+
+def test_an_unresolved_window_form_is_not_judged_exact_or_inexact():
+    from evals.modes import parse_mode, promises_exact
+    with pytest.raises(ValueError, match="resolve_mode"):
+        promises_exact(parse_mode("replay=W"), 15)
+
+
+def _train_config(*overrides):
+    from ced.train import compose_config
+    return compose_config(["model=tiny", "train.replay.probability=0.5", *overrides])
+
+
+def test_train_replay_length_takes_a_window_form():
+    import torch
+    from ced.train import sample_replay_starts
+    form = _train_config("train.replay.length=W/2")
+    window = form.model.window
+    number = _train_config(f"train.replay.length={window // 2}")
+    assert form.train.replay.length == "W/2"                # kept as written, in config.yaml
+    assert form.train.replay.resolved_length(form.model) == window // 2
+    rows = torch.arange(64)
+    # the same draws as the number it stands for
+    assert torch.equal(sample_replay_starts(form.train.replay, rows, 128, 3, form.model),
+                       sample_replay_starts(number.train.replay, rows, 128, 3))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.replay.length=W/0"], "train.replay.length: expected N (an int >= 1), W, W/k, "
+                                  "kW, kW/d, R_exact or exact; got 'W/0'"),
+    (["train.replay.length=W/2", "train.replay.distribution=uniform",
+      "train.replay.min_length=10000"], "train.replay.min_length: must lie in [1, length="),
+])
+def test_train_replay_length_errors_name_the_key(overrides, message):
+    from ced.train_config import ConfigError
+    with pytest.raises(ConfigError) as caught:
+        _train_config(*overrides)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
