@@ -1094,14 +1094,14 @@ def expand_experiment(overrides: list[str]) -> list[str]:
         raise ConfigError("experiment: one study per run (a sweep over studies is "
                           "`python -m experiments.run -m study=a,b`); got "
                           + " ".join(chosen))
-    from experiments.study import StudyError, load_study
+    from .presets import StudyError, study_train_overrides
     try:
-        study = load_study(chosen[0].split("=", 1)[1])
+        shared = study_train_overrides(chosen[0].split("=", 1)[1])
     except StudyError as exc:
         raise ConfigError(f"experiment: {exc}") from None
     rest = [o for o in overrides if o not in chosen]
     given = {_override_key(o) for o in rest if "=" in o}
-    preset = [o for o in study.train if _override_key(o) not in given]
+    preset = [o for o in shared if _override_key(o) not in given]
     return preset + rest
 
 

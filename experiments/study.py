@@ -18,13 +18,10 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-ROOT = Path(__file__).resolve().parents[1]
-STUDY_DIR = ROOT / "conf" / "experiment"
-PRESET_DIR = STUDY_DIR / "presets"
+from ced.presets import PRESET_DIR, STUDY_DIR, StudyError, preset_overrides, study_path
 
-
-class StudyError(ValueError):
-    """A bad study file or driver option; the message is one line naming the key."""
+__all__ = ["PRESET_DIR", "STUDY_DIR", "StudyError", "load_study", "preset_overrides",
+           "study_path"]
 
 
 @dataclass
@@ -167,15 +164,6 @@ def _check_divergence(spec: dict | None, where: str) -> None:
                                      f"{where}{key}: {sorted(inner)}")
 
 
-def study_path(name: str) -> Path:
-    """A study name (conf/experiment/<name>.yaml) or a path to a .yaml file."""
-    path = Path(name) if name.endswith((".yaml", ".yml")) else STUDY_DIR / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
-        raise StudyError(f"study={name}: no {path}; known studies: {known}")
-    return path
-
-
 def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -> StudyConfig:
     """conf/experiment/<name>.yaml, checked, with its `scales.<scale>` section applied (train
     overrides appended, divergence/suite keys and seeds replaced); `seeds` (the driver's
@@ -253,25 +241,6 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
                 except ValueError as exc:
                     raise StudyError(f"{where}suite.kv[{i}]: {exc}") from None
     return study
-
-
-def preset_overrides(names: list[str], where: str = "") -> list[str]:
-    """The `train` overrides of the presets `names` (conf/experiment/presets/<name>.yaml), in
-    order. They go before a study's own `train` overrides, so a key the study also sets takes
-    the study's value (Hydra: the last value of a key wins)."""
-    out: list[str] = []
-    known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-    for i, name in enumerate(names):
-        path = PRESET_DIR / f"{name}.yaml"
-        if not path.exists():
-            raise StudyError(f"{where}presets[{i}]: no preset {name!r}; known presets: {known}")
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        train = raw.get("train") if isinstance(raw, dict) else None
-        if set(raw or {}) - {"train"} or not isinstance(train, list):
-            raise StudyError(f"{where}presets[{i}]: {path} must be a mapping with one key, "
-                             f"`train`, a list of ced.train overrides")
-        out += [str(item) for item in train]
-    return out
 
 
 def normalise_overrides(overrides: list[str]) -> list[str]:
