@@ -707,12 +707,59 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     return written
 
 
+def seed_t_table(drops: pd.DataFrame) -> pd.DataFrame:
+    """Seed-level columns for a drop table whose per-example results are gone (the older
+    studies' outputs/ did not survive their machines): from `per_seed_difference` (each
+    trained model's paired difference, as written: 3 decimals), the Student t 95% CI of their
+    mean (`seed_t_low`, `seed_t_high`; df = seeds - 1) and its p (`seed_t_p`). With 3 models
+    t(0.975, 2) = 4.30: this is the honest width of a 3-model claim. Seeds that all read
+    0.000 (|difference| < 0.0005 each) give the zero-width interval [0, 0]. Where the
+    per-example results exist, `seed_level_columns` (hierarchical bootstrap) is the better interval."""
+    out = drops.copy()
+    rows = []
+    for text in out["per_seed_difference"]:
+        values = [float(v) for v in text.split()] if isinstance(text, str) else []
+        low, high, p = seed_t_test(values)
+        rows.append({"seeds": len(values),
+                     "seed_mean": sum(values) / len(values) if values else math.nan,
+                     "seed_t_low": low, "seed_t_high": high, "seed_t_p": p})
+    extra = pd.DataFrame(rows, index=out.index)
+    for column in extra:
+        out[column] = extra[column]
+    return out
+
+
+def write_seed_t(findings_dir: Path) -> dict[str, Path]:
+    """`seed_level.csv` in a findings directory: every row of its capability_drop.csv (and
+    override_drop.csv, with `table` saying which) with `seed_t_table`'s columns."""
+    tables = []
+    for name in ("capability_drop", "override_drop"):
+        path = findings_dir / f"{name}.csv"
+        if path.exists():
+            table = pd.read_csv(path)
+            if "per_seed_difference" in table and not table.empty:
+                tables.append(seed_t_table(table).assign(table=name))
+    if not tables:
+        raise FileNotFoundError(f"{findings_dir}: no capability_drop.csv or override_drop.csv "
+                                "with a per_seed_difference column")
+    out = findings_dir / "seed_level.csv"
+    pd.concat(tables, ignore_index=True).to_csv(out, index=False)
+    return {"seed_level": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--study", required=True, help="a study directory (outputs/studies/<name>)")
-    p.add_argument("--out", required=True, help="output directory (e.g. findings/<name>)")
+    p.add_argument("--study", help="a study directory (outputs/studies/<name>)")
+    p.add_argument("--out", help="output directory (e.g. findings/<name>)")
     p.add_argument("--alpha", type=float, default=0.05)
+    p.add_argument("--seed-t", metavar="FINDINGS_DIR", type=Path,
+                   help="instead: add seed-level t intervals to an existing findings directory "
+                        "whose study directory is gone (writes <dir>/seed_level.csv)")
     args = p.parse_args(argv)
+    if args.seed_t is not None:
+        return list_written("findings", lambda: write_seed_t(args.seed_t))
+    if not args.study or not args.out:
+        p.error("--study and --out are required (or --seed-t FINDINGS_DIR)")
     study = Path(args.study)
     if not (study / "suite").is_dir():
         p.error(f"--study {study}: no suite/ directory (is it a study directory?)")

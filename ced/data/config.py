@@ -45,7 +45,7 @@ class DataConfig:
     curriculum_rows (synthetic): see the field's comment below.
     examples_per_row (synthetic): at most this many examples per row, the rest padding; None
       (default): as many as fit. 1 keeps a query from seeing other examples' facts, which
-      attention otherwise does (it is not reset at BOS; FINDINGS.md A.0.2).
+      attention otherwise does (it is not reset at BOS; findings/HISTORY.md A.0.2).
     """
 
     kind: str = "synthetic"

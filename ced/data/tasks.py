@@ -289,7 +289,7 @@ def variable_tracking(rng: random.Random, hops: int = 2, n_distractor_chains: in
     The value follows its variable directly and the query ends with the variable, as in
     kv_recall: each hop is then "the token after the earlier statement of what I just read".
     `sep` goes between a variable and its value (sep="=" is this task's earlier format
-    "A=5;", "?C="; FINDINGS.md 0.6 has what was measured with each).
+    "A=5;", "?C="; findings/HISTORY.md 0.6 has what was measured with each).
     hops: links from the literal to the queried variable (0: plain lookup `?A`).
     Names are single characters of `names`, all distinct; every statement is 3 + len(sep)
     tokens.

@@ -268,3 +268,27 @@ def test_an_exact_mode_that_changes_answers_is_flagged(tmp_path, capsys):
                                        "turn=2,policy=encoder_replay,replay=exact"]
     assert exact_mode_check(capability_drop_table(results), {"ced": {"R_exact": 32}})[
         "mode"].tolist() == ["replay=exact", "turn=2,policy=encoder_replay,replay=exact"]
+
+
+def test_seed_t_table_is_the_t_interval_of_the_per_seed_differences(tmp_path):
+    from scipy import stats
+
+    from evals.findings import seed_t_table, write_seed_t
+    drops = pd.DataFrame({"job": ["a", "b", "c"], "difference": [-0.67, 0.0, 0.0],
+                          "per_seed_difference": ["-0.560 -0.802 -0.661", "+0.000 -0.000 +0.000",
+                                                  None]})
+    table = seed_t_table(drops)
+    values = [-0.560, -0.802, -0.661]
+    half = stats.t.ppf(0.975, 2) * stats.tstd(values) / 3 ** 0.5
+    row = table.iloc[0]
+    assert row["seeds"] == 3 and abs(row["seed_mean"] - sum(values) / 3) < 1e-12
+    assert abs(row["seed_t_low"] - (sum(values) / 3 - half)) < 1e-12
+    assert abs(row["seed_t_high"] - (sum(values) / 3 + half)) < 1e-12
+    assert abs(row["seed_t_p"] - stats.ttest_1samp(values, 0).pvalue) < 1e-12
+    assert (table.iloc[1][["seed_t_low", "seed_t_high", "seed_t_p"]] == [0.0, 0.0, 1.0]).all()
+    assert table.iloc[2]["seeds"] == 0 and math.isnan(table.iloc[2]["seed_t_low"])
+    drops.to_csv(tmp_path / "capability_drop.csv", index=False)
+    written = write_seed_t(tmp_path)
+    assert pd.read_csv(written["seed_level"])["table"].tolist() == ["capability_drop"] * 3
+    with pytest.raises(FileNotFoundError):
+        write_seed_t(tmp_path / "empty")
