@@ -22,6 +22,9 @@ the seed-pooled tables of `evals.findings` (which it runs first, into the same -
                    the share of the decoder's gradient influence at distance >= W and >= 2W
                    beside N*, and Spearman's rank correlation of each share with N* over every
                    model and within each depth
+  extrapolation.csv   per arm measured at two or more depths: the line of log(N*/W) on
+                   log(L_d) read at L_d = 12 and 20 with a band from resampling models, and
+                   the pooled failure rates it carries there (`extrapolation_table`)
   depth.md         the tables above in Markdown
 
 A model fails at N = W when, on a family where it is competent (full >= 0.9), its drop is
@@ -150,6 +153,58 @@ def mechanism_table(shares: pd.DataFrame, n_star: pd.DataFrame) -> tuple[pd.Data
 
 # ---- figures ------------------------------------------------------------------------------
 
+def extrapolation_table(n_star: pd.DataFrame, targets: tuple[int, ...] = (12, 20),
+                        resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """The method of the depth study's registered prediction (FINDINGS.md, "Depth"): per arm
+    with models at two or more depths, the least-squares line of log(N*/W) on log(L_d), each
+    trained model one point, read at each target depth; its 95% band resamples the models
+    within each depth (`resamples` times). Beside it: the N* and N*/R_exact the line implies,
+    the slope, and the failure rates at N = W pooled over the measured depths, all documents
+    and those whose evidence lies inside the replay (exact Clopper-Pearson CIs), which the
+    prediction carries to the targets unchanged. N* is read on the grid of the suite and is
+    at most R_exact: at a depth where every model needs the exact replay the line is bent
+    down by that ceiling. One row per arm x target; empty with fewer than two depths."""
+    rows = []
+    rng = np.random.default_rng(seed)
+    for arm, part in n_star.groupby("arm"):
+        part = part[part["N_star"].notna()]
+        depths = sorted(part["L_d"].unique())
+        if len(depths) < 2:
+            continue
+        by_depth = [np.log(part[part["L_d"] == d]["N_star_over_W"].to_numpy(float))
+                    for d in depths]
+        x = np.concatenate([np.full(len(v), math.log(d)) for d, v in zip(depths, by_depth)])
+        slope, intercept = np.polyfit(x, np.concatenate(by_depth), 1)
+        draws = []
+        for _ in range(resamples):
+            ys = [rng.choice(v, size=len(v), replace=True) for v in by_depth]
+            draws.append(np.polyfit(x, np.concatenate(ys), 1))
+        draws = np.array(draws)
+        window = int(part["W"].iloc[0])
+        failed = int(part["failed_at_W"].astype(bool).sum())
+        inside = int(part["failed_inside_at_W"].astype(bool).sum())
+        n = len(part)
+        fail_low, fail_high = clopper_pearson(failed, n)
+        in_low, in_high = clopper_pearson(inside, n)
+        for target in targets:
+            fit = math.exp(intercept + slope * math.log(target))
+            band = np.exp(draws[:, 1] + draws[:, 0] * math.log(target))
+            r_exact = target * (window - 1) + 1
+            rows.append({"arm": arm, "L_d": target, "depths": " ".join(map(str, depths)),
+                         "models": n, "slope": slope,
+                         "slope_low": float(np.quantile(draws[:, 0], 0.025)),
+                         "slope_high": float(np.quantile(draws[:, 0], 0.975)),
+                         "N_star_over_W": fit,
+                         "N_star_over_W_low": float(np.quantile(band, 0.025)),
+                         "N_star_over_W_high": float(np.quantile(band, 0.975)),
+                         "N_star": fit * window, "R_exact": r_exact,
+                         "N_star_over_R_exact": min(fit * window / r_exact, 1.0),
+                         "fail_at_W": f"{failed}/{n}", "fail_low": fail_low,
+                         "fail_high": fail_high, "fail_inside_at_W": f"{inside}/{n}",
+                         "fail_inside_low": in_low, "fail_inside_high": in_high})
+    return pd.DataFrame(rows)
+
+
 def failure_figure(depth: pd.DataFrame) -> Figure | None:
     """Failure rate at N = W against L_d, a line per arm, exact 95% CI as error bars."""
     if depth.empty:
@@ -257,6 +312,10 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
                          ("n_star_vs_depth", n_star_figure(n_star))):
         if figure is not None:
             paths[name] = plots.save(figure, out / f"{name}.png", title_room=True)
+    extrapolation = extrapolation_table(n_star[n_star["arm"].isin(ARM_STYLE)])
+    if not extrapolation.empty:
+        paths["extrapolation"] = out / "extrapolation.csv"
+        extrapolation.to_csv(paths["extrapolation"], index=False, float_format="%.6g")
     stats: dict = {}
     mechanism = pd.DataFrame()
     if erf is not None:
@@ -282,6 +341,15 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
           "## N* per model", "",
           findings._markdown(n_star, ["job", "arm", "seed", "L_d", "R_exact", "N_star",
                                       "drop_at_W", "failed_at_W"])]
+    if not extrapolation.empty:
+        md += ["## Extrapolation of N*/W to deeper decoders (least squares in log L_d, "
+               "models resampled within depth)", "",
+               findings._markdown(extrapolation, ["arm", "L_d", "depths", "models", "slope",
+                                                  "slope_low", "slope_high", "N_star_over_W",
+                                                  "N_star_over_W_low", "N_star_over_W_high",
+                                                  "N_star", "R_exact", "N_star_over_R_exact",
+                                                  "fail_at_W", "fail_inside_at_W",
+                                                  "fail_inside_high"])]
     if stats:
         md += ["## Mechanism: Spearman's rho of the erf share against N*", "",
                "| share | models | rho | p |", "|---|---|---|---|"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from evals.depth import main, mechanism_table
+from evals.depth import extrapolation_table, main, mechanism_table
 from evals.suites.stats import clopper_pearson
 
 W = 8
@@ -78,6 +78,10 @@ def test_depth_report_counts_models_and_finds_n_star(study, tmp_path):
     assert row["ci_high"] < 0                       # the example-level CI excludes 0
     for name in ("failure_vs_depth.png", "n_star_vs_depth.png", "depth.md"):
         assert (out / name).exists(), name
+    # two depths of the no_sim arm: the line runs through the geometric means (2, 1), (20, 6^0.5)
+    extra = pd.read_csv(out / "extrapolation.csv").set_index("L_d")
+    assert extra.loc[20, "N_star_over_W"] == pytest.approx(6 ** 0.5)
+    assert extra.loc[20, "fail_at_W"] == "1/4"
 
 
 def test_mechanism_joins_erf_shares_with_n_star():
@@ -92,3 +96,27 @@ def test_mechanism_joins_erf_shares_with_n_star():
     assert stats["share_beyond_W/all"]["rho"] == pytest.approx(1.0)
     assert stats["share_beyond_2W/all"]["rho"] == pytest.approx(0.8)
     assert stats["share_beyond_W/L_d=20"]["models"] == 4
+
+
+def test_extrapolation_recovers_a_power_law_and_skips_single_depth_arms():
+    rows = []
+    for arm, slope in (("no_sim", 0.5), ("sim", 0.0)):
+        for depth in (2, 4, 8):
+            for seed in range(3):
+                ratio = 1.5 * (depth / 2) ** slope
+                rows.append({"arm": arm, "seed": seed, "L_d": depth, "W": 8, "N_star": 8 * ratio,
+                             "N_star_over_W": ratio, "failed_at_W": seed == 0,
+                             "failed_inside_at_W": False})
+    rows.append({"arm": "shift2", "seed": 0, "L_d": 2, "W": 8, "N_star": 12,
+                 "N_star_over_W": 1.5, "failed_at_W": True, "failed_inside_at_W": False})
+    table = extrapolation_table(pd.DataFrame(rows), targets=(20,), resamples=50)
+    assert set(table["arm"]) == {"no_sim", "sim"}           # one depth: no line
+    no_sim = table.set_index("arm").loc["no_sim"]
+    assert no_sim["slope"] == pytest.approx(0.5)
+    assert no_sim["N_star_over_W"] == pytest.approx(1.5 * 10 ** 0.5)
+    # every model of a depth agrees: resampling cannot move the line
+    assert no_sim["N_star_over_W_low"] == pytest.approx(no_sim["N_star_over_W_high"])
+    assert no_sim["R_exact"] == 20 * 7 + 1
+    assert no_sim["fail_at_W"] == "3/9" and no_sim["fail_inside_at_W"] == "0/9"
+    assert (no_sim["fail_low"], no_sim["fail_high"]) == pytest.approx(clopper_pearson(3, 9))
+    assert table.set_index("arm").loc["sim", "N_star_over_W"] == pytest.approx(1.5)
