@@ -299,6 +299,14 @@ def markdown(res: dict) -> str:
         add(f"| {row['context']} | {row['ced']['median_ms']:.2f} | {row['yoco']['median_ms']:.2f}"
             f" | {row['ced']['flops']:.3e} | {row['yoco']['flops']:.3e} |")
     add("")
+    lines += _markdown_kv_training_targets(res)
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_kv_training_targets(res: dict) -> list[str]:
+    """The KV-bytes, training and targets sections of the benchmark's Markdown."""
+    lines: list[str] = []
+    add = lines.append
     add("## KV-cache bytes held by the engine vs analytic")
     add("")
     checks = res["kv_bytes"]
@@ -335,7 +343,7 @@ def markdown(res: dict) -> str:
         add(f"- other processes used at most {other:.2f} cores during a kept timed run"
             f"{' (NOISY)' if other > NOISY_CORES else ''}; {res['discarded_noisy_runs']} "
             "noisy runs were discarded and rerun")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(res: dict, path: Path) -> bool:
@@ -381,7 +389,16 @@ def plot(res: dict, path: Path) -> bool:
            title="Prefill ratio: measured vs analytic", ylim=(0, 1.1))
     log_x(ax, ts)
     ax.legend(fontsize=7)
-    ax = axes[1][0]
+    _plot_decode_and_kv(res, axes[1][0], axes[1][1], log_x)
+    fig.suptitle(f"CED inference benchmark ({res['device']}, torch {res['torch']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_decode_and_kv(res: dict, ax, kv_ax, log_x) -> None:
+    """Decode latency (measured, with analytic FLOPs on a twin axis) and the KV bytes held."""
     dec = res["decode"]
     cs = [r["context"] for r in dec]
     for name in ("ced", "yoco"):
@@ -396,7 +413,7 @@ def plot(res: dict, path: Path) -> bool:
     ax2.set_ylabel("analytic MFLOPs per token (dotted)")
     ax.legend(loc="upper left", fontsize=8)
     ax2.legend(loc="lower right", fontsize=8)
-    ax = axes[1][1]
+    ax = kv_ax
     checks = [c for c in res["kv_bytes"] if c["decode_steps"] == 0]
     for case in sorted({c["case"] for c in checks}):
         sel = [c for c in checks if c["case"] == case]
@@ -409,11 +426,6 @@ def plot(res: dict, path: Path) -> bool:
            title="KV cache held after prefill: engine vs analytic")
     log_x(ax, sorted({c["T"] for c in checks}))
     ax.legend(fontsize=7)
-    fig.suptitle(f"CED inference benchmark ({res['device']}, torch {res['torch']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,9 +471,19 @@ def main(argv: list[str] | None = None) -> int:
     others += [r[m]["other_cores_max"] for r in results["decode"] for m in ("ced", "yoco")]
     results["max_other_cores"] = core.max_other(others)
 
+    results["targets"] = _targets(results, kv_checks)
+    results["discarded_noisy_runs"] = timer.discarded
+    results["total_s"] = time.perf_counter() - start
+    _write(results, device, args.quick)
+    return 0
+
+
+def _targets(results: dict, kv_checks: list) -> dict:
+    """The benchmark's two targets: the prefill ratio against the analytic FLOP ratio, and
+    the engine's KV bytes against the analytic count."""
     gated = [r for r in results["prefill"] if r["T"] >= TARGET_FROM_T]
     devs = {r["T"]: r["ratio_ced_replay_window"]["deviation"] for r in gated}
-    results["targets"] = {
+    return {
         "prefill ratio (ced N=W / full) within 15% of the analytic FLOP ratio for T >= 2k": {
             "pass": bool(devs) and all(abs(d) <= TARGET_RATIO_DEVIATION for d in devs.values()),
             "deviations": devs,
@@ -470,11 +492,12 @@ def main(argv: list[str] | None = None) -> int:
             "pass": all(c["equal"] for c in kv_checks),
             "detail": f"{sum(c['equal'] for c in kv_checks)}/{len(kv_checks)} checks equal"},
     }
-    results["discarded_noisy_runs"] = timer.discarded
-    results["total_s"] = time.perf_counter() - start
 
+
+def _write(results: dict, device: torch.device, quick: bool) -> None:
+    """benchmarks/results/inference[-quick][-cuda].{json,md,png}, and the table printed."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "inference-quick" if args.quick else "inference"
+    stem = "inference-quick" if quick else "inference"
     if device.type == "cuda":
         stem += "-cuda"
     (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -485,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
     print(md, flush=True)
     log(f"done in {results['total_s']:.0f}s; wrote benchmarks/results/{stem}.json, {stem}.md"
         f"{f', {stem}.png' if wrote_png else ''}")
-    return 0
 
 
 if __name__ == "__main__":

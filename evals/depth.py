@@ -327,6 +327,14 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
         figure = mechanism_figure(mechanism)
         if figure is not None:
             paths["mechanism_png"] = plots.save(figure, out / "mechanism.png", title_room=True)
+    paths["depth_md"] = out / "depth.md"
+    paths["depth_md"].write_text(_depth_markdown(depth, at_w, n_star, extrapolation, stats))
+    return paths
+
+
+def _depth_markdown(depth: pd.DataFrame, at_w: pd.DataFrame, n_star: pd.DataFrame,
+                    extrapolation: pd.DataFrame, stats: dict) -> str:
+    """depth.md: the tables of `write` under headings that say what they are."""
     md = ["# Bounded replay against decoder depth (python -m evals.depth)", "",
           "## Per job: failures at N = W (Clopper-Pearson 95% CI) and N*", "",
           findings._markdown(depth, ["job", "arm", "L_d", "R_exact", "W_over_R_exact", "models",
@@ -354,9 +362,7 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
         md += ["## Mechanism: Spearman's rho of the erf share against N*", "",
                "| share | models | rho | p |", "|---|---|---|---|"]
         md += [f"| {k} | {v['models']} | {v['rho']:.3f} | {v['p']:.3g} |" for k, v in stats.items()]
-    paths["depth_md"] = out / "depth.md"
-    paths["depth_md"].write_text("\n".join(md) + "\n")
-    return paths
+    return "\n".join(md) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -610,30 +610,39 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     results = load_results(study)
     marks = geometry(study)
     accuracy = accuracy_table(results)
-    drops = capability_drop_table(results, alpha)
-    competence = competence_table(accuracy)
-    divergence = divergence_table(study)
-    answer_kl = answer_kl_table(results)
-    against_base = reference_drop_table(results, alpha)
-    needle_ids = needle_id_table(results, _load_needle_documents(study))
-    models = per_model_tables(results, study, marks, alpha)
-    violations = exact_mode_check(drops, marks)
-    for _, row in violations.iterrows():
+    tables = {"accuracy": accuracy, "capability_drop": capability_drop_table(results, alpha),
+              "competence": competence_table(accuracy), "divergence": divergence_table(study),
+              "answer_kl": answer_kl_table(results),
+              "override_drop": reference_drop_table(results, alpha),
+              "needle_ids": needle_id_table(results, _load_needle_documents(study)),
+              **per_model_tables(results, study, marks, alpha)}
+    tables["exact_violations"] = exact_mode_check(tables["capability_drop"], marks)
+    for _, row in tables["exact_violations"].iterrows():
         print(f"[findings] WARNING: {row['job']} {row['family']} `{row['mode']}` is exact by "
               f"the contract but changed {row['full_only'] + row['mode_only']} of {row['n']} "
               f"answers against full (exact_violations.csv)", file=sys.stderr)
     written = {}
     optional = ("override_drop", "needle_ids", "model_drops", "failure_rate", "n_star",
                 "exact_violations")
-    for name, table in (("accuracy", accuracy), ("capability_drop", drops),
-                        ("competence", competence), ("divergence", divergence),
-                        ("answer_kl", answer_kl), ("override_drop", against_base),
-                        ("needle_ids", needle_ids), *models.items(),
-                        ("exact_violations", violations)):
+    for name, table in tables.items():
         if name in optional and table.empty:
             continue
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
+    written.update(_write_figures(tables, marks, out))
+    info = provenance(study)
+    written["provenance"] = out / "provenance.json"
+    written["provenance"].write_text(json.dumps(info, indent=1) + "\n")
+    written["findings"] = out / "findings.md"
+    written["findings"].write_text(_findings_markdown(study, info, marks, tables, alpha))
+    return written
+
+
+def _write_figures(tables: dict, marks: dict, out: Path) -> dict[str, Path]:
+    """accuracy_vs_N.png and kl_vs_N.png (the drops only where the exact model is competent)."""
+    accuracy, drops = tables["accuracy"], tables["capability_drop"]
+    divergence, competence = tables["divergence"], tables["competence"]
+    written = {}
     pooled = accuracy[accuracy["x"] == "all"]
     figure = plots.findings_accuracy_figure(with_replay_length(pooled, marks),
                                             pooled[pooled["mode"] == FULL], marks)
@@ -645,17 +654,23 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
                    if not drops.empty else drops)
     written["kl_vs_N"] = plots.save(plots.findings_divergence_figure(
         with_replay_length(kl, marks), with_replay_length(drop_points, marks), marks,
-        answer_kl=with_replay_length(answer_kl, marks)), out / "kl_vs_N.png")
+        answer_kl=with_replay_length(tables["answer_kl"], marks)), out / "kl_vs_N.png")
+    return written
+
+
+def _findings_markdown(study: Path, info: dict, marks: dict, tables: dict,
+                       alpha: float) -> str:
+    """findings.md: the tables of write_findings, each under a heading that says what it is."""
+    drops, violations = tables["capability_drop"], tables["exact_violations"]
+    against_base, needle_ids = tables["override_drop"], tables["needle_ids"]
     pooled_drops = drops[drops["x"] == "all"] if not drops.empty else drops
-    info = provenance(study)
-    written["provenance"] = out / "provenance.json"
-    written["provenance"].write_text(json.dumps(info, indent=1) + "\n")
     md = [f"# {study.name}: seed-pooled findings tables (python -m evals.findings)", "",
           *_provenance_markdown(info),
           f"Geometry per job: {json.dumps(marks)}", "",
           "## Competence of the exact model (`full`, pooled over distances and seeds)", "",
-          _markdown(competence, ["job", "family", "seeds", "n", "accuracy", "ci_low", "ci_high",
-                                 "seed_ci_low", "seed_ci_high", "per_seed", "competent"]),
+          _markdown(tables["competence"], ["job", "family", "seeds", "n", "accuracy", "ci_low",
+                                           "ci_high", "seed_ci_low", "seed_ci_high", "per_seed",
+                                           "competent"]),
           "## Capability drop pooled over distances (mode - full, paired, pooled over seeds)",
           "", _markdown(pooled_drops, ["job", "family", "mode", "seeds", "n", "acc_full",
                                        "acc_mode", "difference", "ci_low", "ci_high",
@@ -666,45 +681,51 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
           _markdown(drops[(drops["x"] != "all") & drops["significant"]] if not drops.empty
                     else drops, ["job", "family", "x", "mode", "n", "acc_full", "acc_mode",
                                  "difference", "ci_low", "ci_high", "p_holm",
-                                 "per_seed_difference"]),
-          *([] if against_base.empty else [
-              "## Evaluation-time overrides against the unmodified model (pooled over "
-              "distances; `full` of an override is its cost alone)", "",
-              _markdown(against_base[against_base["x"] == "all"],
-                        ["job", "family", "mode", "n", "acc_full", "acc_mode", "difference",
-                         "ci_low", "ci_high", "p_value", "agree", "per_seed_difference"])]),
-          *([] if needle_ids.empty else [
-              "## Needle: `full` accuracy by the nearest distractor id, and what the wrong "
-              "answers are", "",
-              _markdown(needle_ids, ["job", "slice", "n", "accuracy", "ci_low", "ci_high",
-                                     "per_seed", "wrong", "one_wrong_digit",
-                                     "digit_from_nearest", "other_line_code"])]),
-          "## Exact modes (N >= R_exact, or a policy that rebuilds every state exactly)", "",
-          "Every exact mode gave `full`'s answer on every example.\n" if violations.empty
-          else "**Exact modes that changed answers** (a bug, or round-off at near-ties):\n\n"
-          + _markdown(violations, ["job", "family", "mode", "n", "full_only", "mode_only"]),
-          *([] if models["failure_rate"].empty else [
-              "## Models that fail (the trained model as the unit: a significant drop, Holm "
-              f"over its competent families, larger than {per_model.FAIL_MIN_DROP:g}; "
-              "Clopper-Pearson 95% CI)", "",
-              _markdown(models["failure_rate"], ["job", "mode", "N", "models", "failed", "rate",
-                                                 "rate_low", "rate_high", "failed_seeds"]),
-              "## N* per model (smallest N from W with every competent family within "
-              f"{per_model.STAR_MAX_DROP:g} of `full` and answer KL <= "
-              f"{per_model.STAR_MAX_KL:g} nats)", "",
-              _markdown(models["n_star"], ["job", "arm", "seed", "L_d", "W", "R_exact",
-                                           "N_star", "drop_at_W", "failed_at_W", "grid"])]),
-          "## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
-          "examples and seeds, bootstrap 95% CI)", "",
-          _markdown(answer_kl, ["job", "family", "mode", "seeds", "n", "mean", "ci_low",
-                                "ci_high", "seed_ci_low", "seed_ci_high", "per_seed"], 3),
-          "## First-token divergence at a validation prompt's cut (mean over prompts and "
-          "seeds, bootstrap 95% CI)", "",
-          _markdown(divergence, ["job", "T", "mode", "metric", "seeds", "n", "mean", "ci_low",
-                                 "ci_high", "seed_ci_low", "seed_ci_high", "per_seed"], 3)]
-    written["findings"] = out / "findings.md"
-    written["findings"].write_text("\n".join(md))
-    return written
+                                 "per_seed_difference"])]
+    if not against_base.empty:
+        md += ["## Evaluation-time overrides against the unmodified model (pooled over "
+               "distances; `full` of an override is its cost alone)", "",
+               _markdown(against_base[against_base["x"] == "all"],
+                         ["job", "family", "mode", "n", "acc_full", "acc_mode", "difference",
+                          "ci_low", "ci_high", "p_value", "agree", "per_seed_difference"])]
+    if not needle_ids.empty:
+        md += ["## Needle: `full` accuracy by the nearest distractor id, and what the wrong "
+               "answers are", "",
+               _markdown(needle_ids, ["job", "slice", "n", "accuracy", "ci_low", "ci_high",
+                                      "per_seed", "wrong", "one_wrong_digit",
+                                      "digit_from_nearest", "other_line_code"])]
+    md += ["## Exact modes (N >= R_exact, or a policy that rebuilds every state exactly)", "",
+           "Every exact mode gave `full`'s answer on every example.\n" if violations.empty
+           else "**Exact modes that changed answers** (a bug, or round-off at near-ties):\n\n"
+           + _markdown(violations, ["job", "family", "mode", "n", "full_only", "mode_only"])]
+    md += _per_model_markdown(tables)
+    md += ["## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
+           "examples and seeds, bootstrap 95% CI)", "",
+           _markdown(tables["answer_kl"], ["job", "family", "mode", "seeds", "n", "mean",
+                                           "ci_low", "ci_high", "seed_ci_low", "seed_ci_high",
+                                           "per_seed"], 3),
+           "## First-token divergence at a validation prompt's cut (mean over prompts and "
+           "seeds, bootstrap 95% CI)", "",
+           _markdown(tables["divergence"], ["job", "T", "mode", "metric", "seeds", "n", "mean",
+                                            "ci_low", "ci_high", "seed_ci_low", "seed_ci_high",
+                                            "per_seed"], 3)]
+    return "\n".join(md)
+
+
+def _per_model_markdown(tables: dict) -> list[str]:
+    """The failure rate and N* sections of findings.md (none where no model was judged)."""
+    if tables["failure_rate"].empty:
+        return []
+    return ["## Models that fail (the trained model as the unit: a significant drop, Holm "
+            f"over its competent families, larger than {per_model.FAIL_MIN_DROP:g}; "
+            "Clopper-Pearson 95% CI)", "",
+            _markdown(tables["failure_rate"], ["job", "mode", "N", "models", "failed", "rate",
+                                               "rate_low", "rate_high", "failed_seeds"]),
+            "## N* per model (smallest N from W with every competent family within "
+            f"{per_model.STAR_MAX_DROP:g} of `full` and answer KL <= "
+            f"{per_model.STAR_MAX_KL:g} nats)", "",
+            _markdown(tables["n_star"], ["job", "arm", "seed", "L_d", "W", "R_exact", "N_star",
+                                         "drop_at_W", "failed_at_W", "grid"])]
 
 
 def seed_t_table(drops: pd.DataFrame) -> pd.DataFrame:

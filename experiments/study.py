@@ -169,15 +169,23 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
     overrides appended, divergence/suite keys and seeds replaced); `seeds` (the driver's
     option) replaces both."""
     path = study_path(name)
+    where = f"study {path.stem}: "
+    study = _read_study(path, where)
+    _apply_scale(study, scale, seeds, where)
+    _check_jobs_and_seeds(study, seeds, where)
+    if study.suite is not None:
+        _check_suite_values(study.suite, where)
+    return study
+
+
+def _read_study(path: Path, where: str) -> StudyConfig:
+    """The file's keys checked against the schema (divergence and every scale's keys too),
+    then its values through OmegaConf's structured config."""
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(raw, dict):
         raise StudyError(f"study {path.name}: must be a mapping with keys {FILE_KEYS}")
-    where = f"study {path.stem}: "
     try:
         _check_keys(raw, StudyConfig, "")
-    except StudyError as exc:
-        raise StudyError(where + str(exc)) from None
-    try:
         _check_divergence(raw.get("divergence"), "divergence.")
         for scale_name, extra in (raw.get("scales") or {}).items():
             _check_divergence((extra or {}).get("divergence"), f"scales.{scale_name}.divergence.")
@@ -186,12 +194,15 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
         raise StudyError(where + str(exc)) from None
     raw.setdefault("name", path.stem)
     try:
-        study: StudyConfig = OmegaConf.to_object(OmegaConf.merge(
-            OmegaConf.structured(StudyConfig), raw))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(StudyConfig), raw))
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "study"
         raise StudyError(f"{where}{key}: {str(exc).splitlines()[0]}") from None
 
+
+def _apply_scale(study: StudyConfig, scale: str, seeds: list[int] | None, where: str) -> None:
+    """`scales.<scale>` onto the study in place: presets and train overrides, divergence and
+    suite keys, seeds; then the driver's `seeds`."""
     scales = {k: (v or ScaleSpec()) for k, v in study.scales.items()}
     if scale not in scales and scale not in ("demo", "full"):
         raise StudyError(f"scale={scale}: the study {study.name} defines "
@@ -212,7 +223,11 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
     for job in study.jobs:
         if extra.seeds is not None or seeds is not None:
             job.seeds = None          # a scale's or the driver's seeds replace the job's own
-        elif job.seeds is not None and (not job.seeds or len(set(job.seeds)) != len(job.seeds)):
+
+
+def _check_jobs_and_seeds(study: StudyConfig, seeds: list[int] | None, where: str) -> None:
+    for job in study.jobs:
+        if job.seeds is not None and (not job.seeds or len(set(job.seeds)) != len(job.seeds)):
             raise StudyError(f"{where}jobs[{job.name}].seeds: need at least one seed and "
                              f"distinct seeds; got {job.seeds}")
     names = [j.name for j in study.jobs]
@@ -225,22 +240,24 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
     if not study.seeds or len(set(study.seeds)) != len(study.seeds):
         raise StudyError(f"{where}seeds: need at least one seed and distinct seeds; "
                          f"got {study.seeds}")
-    if study.suite is not None:
-        from ced.config import is_window_form
-        for i, d in enumerate(study.suite.distances):
-            text = d.replace(" ", "") if isinstance(d, str) else None
-            if not ((type(d) is int and d >= 1) or text == "R_exact"
-                    or (text is not None and is_window_form(text))):
-                raise StudyError(f"{where}suite.distances[{i}]: expected an int >= 1, a W form "
-                                 f"(W, W/4, 2W) or R_exact; got {d!r}")
-        from ced.quant import parse_kv_override
-        for i, spec in enumerate(study.suite.kv):
-            if spec is not None:
-                try:
-                    parse_kv_override(spec)
-                except ValueError as exc:
-                    raise StudyError(f"{where}suite.kv[{i}]: {exc}") from None
-    return study
+
+
+def _check_suite_values(suite: SuiteSpec, where: str) -> None:
+    """The suite's distances (ints, W forms, R_exact) and KV overrides, before any model."""
+    from ced.config import is_window_form
+    for i, d in enumerate(suite.distances):
+        text = d.replace(" ", "") if isinstance(d, str) else None
+        if not ((type(d) is int and d >= 1) or text == "R_exact"
+                or (text is not None and is_window_form(text))):
+            raise StudyError(f"{where}suite.distances[{i}]: expected an int >= 1, a W form "
+                             f"(W, W/4, 2W) or R_exact; got {d!r}")
+    from ced.quant import parse_kv_override
+    for i, spec in enumerate(suite.kv):
+        if spec is not None:
+            try:
+                parse_kv_override(spec)
+            except ValueError as exc:
+                raise StudyError(f"{where}suite.kv[{i}]: {exc}") from None
 
 
 def normalise_overrides(overrides: list[str]) -> list[str]:

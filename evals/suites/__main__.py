@@ -22,6 +22,26 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: an --out that holds a run (without --overwrite) and a
+    malformed replay form are one-line errors with exit code 2."""
+    args = _parser().parse_args(argv)
+    held = [n for n in ("results.csv", "summary.json") if (Path(args.out) / n).exists()]
+    if held and not args.overwrite:
+        print(f"error: --out {args.out} already holds a suite run ({', '.join(held)}); choose "
+              f"another --out, or pass --overwrite to replace it", file=sys.stderr)
+        sys.exit(2)
+    from ced.config import parse_replay_form
+    try:
+        args.replay = [parse_replay_form(v, "--replay") for v in args.replay]
+        args.sweep_replays = (None if args.sweep_replays is None else
+                              [parse_replay_form(v, "--sweep-replays") for v in args.sweep_replays])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     from .families import FAMILIES
 
     p = argparse.ArgumentParser(prog="python -m evals.suites", description=__doc__,
@@ -72,21 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wandb-group", default=None,
                    help="wandb group (default: $WANDB_RUN_GROUP, else 'suite')")
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
-    held = [n for n in ("results.csv", "summary.json") if (Path(args.out) / n).exists()]
-    if held and not args.overwrite:
-        print(f"error: --out {args.out} already holds a suite run ({', '.join(held)}); choose "
-              f"another --out, or pass --overwrite to replace it", file=sys.stderr)
-        sys.exit(2)
-    from ced.config import parse_replay_form
-    try:
-        args.replay = [parse_replay_form(v, "--replay") for v in args.replay]
-        args.sweep_replays = (None if args.sweep_replays is None else
-                              [parse_replay_form(v, "--sweep-replays") for v in args.sweep_replays])
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    return args
+    return p
 
 
 def main(argv=None) -> int:

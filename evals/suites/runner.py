@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from torch import Tensor
 
 from ced import CEDModel, InferenceEngine
 from ced.checkpoint import load_model
@@ -156,39 +157,43 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
                     if msg not in warnings:
                         warnings.append(msg)
                     continue
-                if name == FULL:
-                    reference = logits
                 logp = torch.log_softmax(logits, -1)
-                nll = -logp.gather(-1, tgt[..., None])[..., 0].sum(-1)
                 if name == FULL:
-                    reference_logp = logp
-                # KL(full || mode) at the answer: summed over the target's (teacher-forced)
-                # positions, in nats; the divergence that the accuracy is judged on
-                kl_answer = (reference_logp.exp() * (reference_logp - logp)).sum(-1).sum(-1)
-                pred = logits.argmax(-1)
-                correct = pred.eq(tgt).all(-1)
-                diff = (logits - reference).abs().amax((-1, -2))
-                # Decoder positions replayed at the end of the prompt (None: no truncation).
-                n_eff = (None if mode.replay is None
-                         else resolve_replay(cfg, mode.replay, ctx.shape[1]))
-                for i, doc in enumerate(batch):
-                    rows.append({
-                        "id": doc["id"], "family": fam_name, "x_name": doc["x_name"],
-                        "x": doc["x"], "seed": doc["seed"], "mode": name,
-                        "replay": "" if mode.replay is None else mode.replay,
-                        "turn": "" if mode.turn is None else mode.turn,
-                        "policy": mode.policy or "",
-                        "distance": "" if doc.get("distance") is None else doc["distance"],
-                        "length": doc["length"], "beyond_replay": _beyond(doc, n_eff),
-                        "target": doc["target"], "prediction": _TOK.decode(pred[i]),
-                        "correct": int(correct[i]), "nll": float(nll[i]),
-                        "kl_answer": max(float(kl_answer[i]), 0.0),
-                        "logit_diff": float(diff[i]), "chance": doc.get("chance", ""),
-                    })
+                    reference, reference_logp = logits, logp
+                rows += _score_rows(cfg, batch, fam_name, name, mode, ctx, tgt, logits, logp,
+                                    reference, reference_logp)
         if progress:
             print(f"  {fam_name}: {len(fam_docs)} examples x {len(modes)} modes "
                   f"({time.time() - start:.1f}s)", file=sys.stderr)
     return rows, warnings
+
+
+def _score_rows(cfg, batch: list[dict], family: str, name: str, mode, ctx: Tensor,
+                tgt: Tensor, logits: Tensor, logp: Tensor, reference: Tensor,
+                reference_logp: Tensor) -> list[dict]:
+    """One result row per document of a batch under one mode: exact match of the answer,
+    its NLL, KL(full || mode) at the answer and the largest logit difference to `full`.
+    logits, logp [B, A, V] (A answer tokens, teacher-forced); reference*: `full`'s."""
+    nll = -logp.gather(-1, tgt[..., None])[..., 0].sum(-1)
+    # KL(full || mode) at the answer: summed over the target's (teacher-forced) positions, in
+    # nats; the divergence that the accuracy is judged on
+    kl_answer = (reference_logp.exp() * (reference_logp - logp)).sum(-1).sum(-1)
+    pred = logits.argmax(-1)
+    correct = pred.eq(tgt).all(-1)
+    diff = (logits - reference).abs().amax((-1, -2))
+    # Decoder positions replayed at the end of the prompt (None: no truncation).
+    n_eff = None if mode.replay is None else resolve_replay(cfg, mode.replay, ctx.shape[1])
+    return [{"id": doc["id"], "family": family, "x_name": doc["x_name"], "x": doc["x"],
+             "seed": doc["seed"], "mode": name,
+             "replay": "" if mode.replay is None else mode.replay,
+             "turn": "" if mode.turn is None else mode.turn, "policy": mode.policy or "",
+             "distance": "" if doc.get("distance") is None else doc["distance"],
+             "length": doc["length"], "beyond_replay": _beyond(doc, n_eff),
+             "target": doc["target"], "prediction": _TOK.decode(pred[i]),
+             "correct": int(correct[i]), "nll": float(nll[i]),
+             "kl_answer": max(float(kl_answer[i]), 0.0), "logit_diff": float(diff[i]),
+             "chance": doc.get("chance", "")}
+            for i, doc in enumerate(batch)]
 
 
 # ---- summaries -------------------------------------------------------------------------------
@@ -363,6 +368,30 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
                                         engine=make_engine(model, settings.replays),
                                         progress=progress)
     elapsed = time.time() - t0
+    run_info = {
+        "checkpoint": str(checkpoint), "config": cfg.to_dict(),
+        "settings": dataclasses.asdict(settings), "examples": examples,
+        "modes": base, "turn_modes": turn, "alpha": alpha, "seconds": elapsed,
+        "scoring": "teacher-forced exact match on the engine path (evals.modes.mode_logits)",
+        "warnings": warnings,
+    }
+    result = _write_results(rows, run_info, out, alpha)
+    if make_plot and (figure := plot(result["summary"], settings, out / "accuracy.png",
+                                     title=f"{Path(checkpoint).name}: {cfg.variant}, "
+                                           f"W={cfg.window}, R_exact={settings.r_exact}")):
+        result["paths"]["plot"] = figure
+    if wandb:
+        _log_wandb(wandb_project, run_info, result["summary"], result["drops"],
+                   result["paths"], out, group=wandb_group)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return {**result, "rows": rows, "warnings": warnings, "settings": settings,
+            "seconds": elapsed}
+
+
+def _write_results(rows: list[dict], run_info: dict, out: Path, alpha: float) -> dict:
+    """results.csv, summary.csv, paired_tests.csv, capability_drop.csv and summary.json of a
+    suite run; returns {"summary", "drops", "tests", "paths"}."""
     summary = summarize(rows)
     tests = paired_tests(rows, alpha)
     drops = [t for t in tests if t["significant"]]
@@ -372,27 +401,11 @@ def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, e
         "paired_tests": write_csv(tests, out / "paired_tests.csv", DROP_FIELDS),
         "capability_drop": write_csv(drops, out / "capability_drop.csv", DROP_FIELDS),
     }
-    run_info = {
-        "checkpoint": str(checkpoint), "config": cfg.to_dict(),
-        "settings": dataclasses.asdict(settings), "examples": examples,
-        "modes": base, "turn_modes": turn, "alpha": alpha, "seconds": elapsed,
-        "scoring": "teacher-forced exact match on the engine path (evals.modes.mode_logits)",
-        "warnings": warnings,
-    }
     paths["summary_json"] = out / "summary.json"
     paths["summary_json"].write_text(json.dumps(
         {"run": run_info, "summary": summary, "capability_drop": drops}, indent=1,
         default=str))
-    if make_plot and (figure := plot(summary, settings, out / "accuracy.png",
-                                     title=f"{Path(checkpoint).name}: {cfg.variant}, "
-                                           f"W={cfg.window}, R_exact={settings.r_exact}")):
-        paths["plot"] = figure
-    if wandb:
-        _log_wandb(wandb_project, run_info, summary, drops, paths, out, group=wandb_group)
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    return {"summary": summary, "drops": drops, "tests": tests, "rows": rows, "paths": paths,
-            "warnings": warnings, "settings": settings, "seconds": elapsed}
+    return {"summary": summary, "drops": drops, "tests": tests, "paths": paths}
 
 
 def _table_row(row: dict, columns: list[str]) -> list:
