@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ced.model import rotary
+from ced.semantics import rotary
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ not FLOPs here. Two countings of the attention-side terms:
     slots per query); the lightning indexer of a Full/Reindex layer scores, per block, the
     entries visible to the block's last query; the SwiGLU runs at its padded width
     (`executed_ff_dim`). The attention terms are the reference kernel's matmuls
-    (`ced.model.attention_kernel("reference")`); the fused CPU kernel does the same products
+    (`ced.attention.attention_kernel("reference")`); the fused CPU kernel does the same products
     per block, except that a plain causal read is one call whose upper blocks it skips.
     Tests hold this equal to FlopCounterMode on the real model, per inference mode.
   counting="causal": what an ideal kernel needs: each query scores only its own visible
@@ -450,7 +450,7 @@ class _Walk:
                 if self.counting == "executed":
                     if cfg.topk is None:
                         read = q * (z // m)
-                    else:   # the same per-block choice as ced.model.attend
+                    else:   # the same per-block choice as ced.attention.attend
                         slots = min(cfg.topk, entries)
                         masked = global_read_is_masked(cfg.global_read, q, z // m, slots,
                                                        cfg.n_heads // cfg.n_global_kv_heads)

@@ -44,7 +44,8 @@ from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch, Sto
 from .cli import fail as _fail
 from .config import ModelConfig
 from .data import ByteTokenizer, answer_accuracy, build_source
-from .model import CEDModel, current_attention_kernel
+from .attention import current_attention_kernel
+from .model import CEDModel
 from .runlock import DirectoryLocked, directory_lock
 from .train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig, validate
 

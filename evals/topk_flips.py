@@ -34,7 +34,7 @@ import torch
 
 from ced import CEDModel
 from ced.checkpoint import CheckpointError, load_model
-from ced.model import visible_entries
+from ced.semantics import visible_entries
 from ced.quant import parse_kv_override
 
 from .erf import build_prompts, job_of

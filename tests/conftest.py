@@ -55,7 +55,7 @@ def random_ids(batch: int, length: int, seed: int) -> torch.Tensor:
     receptive field recur, and a few positions are replaced by other tokens of the alphabet.
     Two global entries are then often equal in exact arithmetic while the parallel and
     incremental paths compute them with different kernels; the indexer's scores are rounded
-    before the top-k (`ced.model.select_entries`) so that both paths still choose alike."""
+    before the top-k (`ced.semantics.select_entries`) so that both paths still choose alike."""
     gen = torch.Generator().manual_seed(seed + 7919)
     rows = []
     for _ in range(batch):

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ced import InferenceEngine
 from ced.cost import engine_cache_bytes, engine_flops, forward_flops, prefill_flops
-from ced.model import attention_kernel
+from ced.attention import attention_kernel
 from tests.conftest import make_model, tiny_config
 
 TOLERANCE = 0.05     # the bound; the executed count is in fact exact

@@ -1,7 +1,7 @@
 """Issue 11, class 6: exactness under near-ties. Where the same indexer score arises twice (a
 repeated token with a window of 1, a repeated substring longer than the receptive field), the
 parallel forward and the engine compute it with different kernels and the last bits differ.
-`ced.model.select_entries` rounds the scores (`round_scores`) before the top-k, so both paths
+`ced.semantics.select_entries` rounds the scores (`round_scores`) before the top-k, so both paths
 choose the same entries and the exact modes stay exact on prompts full of repeats (every
 exactness invariant in test_invariants.py now runs on such prompts, see conftest.random_ids)."""
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import ced.model as model_module
-from ced.model import IndexerQuery, round_scores, select_entries
+import ced.semantics as semantics_module
+from ced.model import IndexerQuery
+from ced.semantics import round_scores, select_entries
 from conftest import TOL, engine_logits, make_model, random_ids, tiny_config
 
 CASES = [(topk, seed) for topk in (1, 2, 3) for seed in range(4)]
@@ -42,7 +44,7 @@ def test_near_ties_break_alike_in_the_engine_and_the_parallel_forward(topk, seed
 def test_without_rounding_these_prompts_do_break_exactness(monkeypatch):
     """The cases above are real near-ties: with the rounding made a no-op (more bits than a
     float64 mantissa) most of them break exactness, as they did before the rounding."""
-    monkeypatch.setitem(model_module.SCORE_BITS, torch.float64, 64)
+    monkeypatch.setitem(semantics_module.SCORE_BITS, torch.float64, 64)
     broken = sum(paths_disagree(topk, seed) > TOL for topk, seed in CASES)
     assert broken >= len(CASES) // 2, broken
 

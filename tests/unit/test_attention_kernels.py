@@ -1,4 +1,4 @@
-"""The two kernels of the joint softmax read (ced.model.joint_read) compute the same thing.
+"""The two kernels of the joint softmax read (ced.attention.joint_read) compute the same thing.
 
 The fused CPU flash kernel runs one call per key set and merges the partial reads through their
 log-sum-exps, with a hand-written backward; the reference concatenates logits and takes one
@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ced.model as model_module
+import ced.attention as attention_module
 from ced import CEDModel, ModelConfig
-from ced.model import MLP, KeySet, attention_kernel, joint_read, set_attention_kernel
+from ced.attention import KeySet, attention_kernel, joint_read, set_attention_kernel
+from ced.model import MLP
 
-pytestmark = pytest.mark.skipif(model_module._FLASH_FORWARD is None,
+pytestmark = pytest.mark.skipif(attention_module._FLASH_FORWARD is None,
                                 reason="this torch build has no fused CPU attention kernel")
 TOL = 1e-12   # float64; the kernels differ only in summation order
 
@@ -75,8 +76,8 @@ def test_fused_read_without_sink_and_with_an_empty_set():
 
 def test_the_fused_kernel_is_the_one_that_runs_on_cpu(monkeypatch):
     calls = []
-    original = model_module._FlashRead.apply
-    monkeypatch.setattr(model_module._FlashRead, "apply",
+    original = attention_module._FlashRead.apply
+    monkeypatch.setattr(attention_module._FlashRead, "apply",
                         lambda *a: calls.append(1) or original(*a))
     q, sets, sink = random_key_sets(0, batch=1, heads=2, queries=4, widths=[5])
     joint_read(q, sets, sink)
@@ -189,8 +190,8 @@ def test_plain_causal_reads_run_as_one_causal_call(monkeypatch, variant, expecte
     """Full-causal layers (dense) and yoco's ratio-1 decoder read are one causal call each;
     windows and compressed or document-masked reads keep their masks."""
     causal_calls = []
-    original = model_module._FlashRead.apply
-    monkeypatch.setattr(model_module._FlashRead, "apply", lambda *a: causal_calls.extend(
+    original = attention_module._FlashRead.apply
+    monkeypatch.setattr(attention_module._FlashRead, "apply", lambda *a: causal_calls.extend(
         fs.causal for _, _, sets in a[2] for fs in sets if fs.causal) or original(*a))
     cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=2,
                       n_decoder_layers=2, encoder_kv_groups=0, global_from_layer=2, window=5,
@@ -209,8 +210,8 @@ def test_every_query_block_of_a_layer_is_one_autograd_node(monkeypatch, variant,
     made autograd zero-fill and sum a whole-size gradient of q and K/V per block), so a
     forward makes one fused call per layer however many blocks T / attention_block is."""
     calls = []
-    original = model_module._FlashRead.apply
-    monkeypatch.setattr(model_module._FlashRead, "apply",
+    original = attention_module._FlashRead.apply
+    monkeypatch.setattr(attention_module._FlashRead, "apply",
                         lambda *a: calls.append(len(a[2])) or original(*a))
     cfg = ModelConfig(variant=variant, d_model=32, n_heads=2, n_encoder_layers=2,
                       n_decoder_layers=2, encoder_kv_groups=1, global_from_layer=1,
@@ -225,7 +226,7 @@ def test_blocked_fused_read_matches_the_reference_block_by_block(seed):
     """`_FlashRead` over a plan of query blocks (slices of shared K/V parents, one block that
     reads nothing) equals the reference read of each block, forward and every gradient, in
     float64 to 1e-12."""
-    from ced.model import _FlashRead, _flash_set
+    from ced.attention import _FlashRead, _flash_set
     q, sets, sink = random_key_sets(seed, batch=2, heads=3, queries=9, widths=[12, 12])
     parents = [t for ks in sets for t in (ks.k, ks.v)]
     cuts = [(0, 4, 0, 7), (4, 6, 3, 12), (6, 9, 0, 0)]          # (c0, c1, keys a:z) per block
@@ -300,9 +301,9 @@ def rotary_by_definition(x, positions, theta):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_rotary_matches_its_definition_and_gradcheck(seed):
-    """ced.model.rotary (in-place products, inverse-rotation backward) against the textbook
+    """ced.semantics.rotary (in-place products, inverse-rotation backward) against the textbook
     form; gradcheck in float64, on a transposed (non-contiguous) input as the model passes."""
-    from ced.model import rotary
+    from ced.semantics import rotary
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 9, 3, 8, generator=g, dtype=torch.float64).transpose(1, 2)
     positions = torch.randint(0, 5000, (9,), generator=g)

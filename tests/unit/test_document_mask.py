@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import TOL, VOCAB, make_model, random_ids, tiny_config
-from ced.model import first_visible_entry, select_entries
+from ced.semantics import first_visible_entry, select_entries
 
 VARIANTS = ["dense", "swa", "yoco", "ced"]
 

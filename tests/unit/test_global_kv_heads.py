@@ -14,7 +14,7 @@ import torch
 
 from ced import CEDModel, InferenceEngine, ModelConfig
 from ced.cost import engine_cache_bytes, model_params
-from ced.model import attention_kernel
+from ced.attention import attention_kernel
 from tests.conftest import engine_logits, make_model, random_ids, tiny_config
 
 TOL = 1e-10

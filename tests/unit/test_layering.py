@@ -47,7 +47,7 @@ def test_ced_imports_nothing_from_the_floors_above(path):
 
 # The one function allowed over 60 lines, and why: `attend` is the single attention function
 # the contract names (docs/semantics.md); splitting it would spread the semantics over helpers.
-LONG_FUNCTIONS_ALLOWED = {("ced/model.py", "attend")}
+LONG_FUNCTIONS_ALLOWED = {("ced/attention.py", "attend")}
 
 
 def test_no_function_is_longer_than_sixty_lines_but_attend():

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ced.model import (SourceKV, WindowKV, as_replay_starts, attend, select_entries, entry_visibility, round_scores,
-                       visible_entries, window_lower_bound)
+from ced.attention import SourceKV, WindowKV, attend
+from ced.semantics import (as_replay_starts, entry_visibility, round_scores, select_entries,
+                           visible_entries, window_lower_bound)
 from conftest import TOL, tiny_config
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -159,7 +160,7 @@ def test_attend_with_a_brute_force_reference():
 def test_attend_gradients_through_the_sparse_read():
     """gradcheck (float64, finite differences) through the top-k gather and its custom
     backward, with padding slots and a replay start in play."""
-    from ced.model import Selection
+    from ced.attention import Selection
     q, positions, keys, source, sink = _random_sources(2, 9, 2)
     scores = torch.randn(2, 9, source.n_entries, dtype=torch.float64)
     index, valid = select_entries(scores, visible_entries(positions, 2), 2)

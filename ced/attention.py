@@ -1,0 +1,638 @@
+"""The attention function of the CED family, `attend`: one softmax over a query's window keys,
+its selected global entries and a sink, in query blocks; the per-layer state it reads
+(`WindowKV`, `SourceKV`, `Selection`, `ForwardContext`); and the two kernels of the joint
+read (`joint_read`: the reference and the fused CPU flash node `_FlashRead`). Which keys a
+query sees comes from ced/semantics.py; the modules that call `attend` are in ced/model.py.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import ModelConfig, global_read_is_masked
+from .semantics import first_visible_entry, visible_entries, window_lower_bound
+
+# ---------------------------------------------------------------------------------------------
+# State: per-layer window KV and per-source global KV. Empty in a parallel forward; the engine's
+# cache in incremental inference.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WindowKV:
+    """Window keys/values one layer keeps for later queries: k, v [B, H, S, Dh] at ascending
+    positions [S]. Positions absent here (evicted, or never computed: bounded replay) are simply
+    not visible, which is how a replay start acts inside the engine."""
+
+    k: Tensor
+    v: Tensor
+    positions: Tensor
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, like: Tensor) -> "WindowKV":
+        kv = like.new_zeros(batch, heads, 0, head_dim)
+        return cls(kv, kv.clone(), torch.zeros(0, dtype=torch.long, device=like.device))
+
+
+@dataclass
+class SourceKV:
+    """One global KV: complete entries k, v [B, G, E, Dh] (RoPE at j*m; G K/V heads,
+    ModelConfig.n_global_kv_heads), indexer keys [B, E, Di], and the projected tokens of the
+    incomplete block, pending_tokens [B, p, 2 G Dh] and pending_gates [B, p, G], not yet
+    visible to anyone."""
+
+    k: Tensor
+    v: Tensor
+    index_keys: Tensor | None
+    pending_tokens: Tensor
+    pending_gates: Tensor
+    compress_ratio: int
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, compress_ratio: int, batch: int, like: Tensor) -> "SourceKV":
+        g, dh = cfg.n_global_kv_heads, cfg.head_dim
+        index_keys = like.new_zeros(batch, 0, cfg.indexer_dim) if cfg.topk is not None else None
+        return cls(like.new_zeros(batch, g, 0, dh), like.new_zeros(batch, g, 0, dh), index_keys,
+                   like.new_zeros(batch, 0, 2 * g * dh), like.new_zeros(batch, 0, g),
+                   compress_ratio)
+
+    @property
+    def n_entries(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def next_position(self) -> int:
+        """First token position this source has not consumed yet."""
+        return self.n_entries * self.compress_ratio + self.pending_tokens.shape[1]
+
+
+@dataclass
+class Selection:
+    """Top-k entries chosen for the current queries: index/valid [B, Tq, k]; scores [B, Tq, k]
+    are the indexer's (with grad) for the KL loss. With a dense read, index is None and scores
+    cover every entry [B, Tq, E]."""
+
+    index: Tensor | None
+    valid: Tensor | None
+    scores: Tensor | None
+
+
+@dataclass
+class ForwardContext:
+    """Per-call settings and scratch shared by the layers of one forward/engine call."""
+
+    keep_windows: bool = False
+    dense_global_read: bool = False
+    want_aux: bool = False
+    selections: dict[int, Selection] = field(default_factory=dict)
+    indexer_kl: list[Tensor] = field(default_factory=list)
+    # When a dict, each layer's output hidden state [B, T, D] is recorded under its index
+    # (evaluation: per-layer divergence of a bounded replay).
+    hidden: dict[int, Tensor] | None = None
+    # Document mask (training on packed rows): LongTensor[B, K] of positions where documents
+    # start; None: one document per row. See CEDModel.forward.
+    document_starts: Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function: one softmax over window keys, selected global entries and a sink.
+# ---------------------------------------------------------------------------------------------
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows[index] with embedding's forward kernel and an index_add backward: on CPU the
+    fastest pairing measured (about 10% of a ced training step over index_select)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.n_rows = rows.shape[0]
+        return F.embedding(index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        grad_rows = grad.new_zeros(ctx.n_rows, grad.shape[-1])
+        grad_rows.index_add_(0, index, grad.reshape(-1, grad.shape[-1]))
+        return grad_rows, None
+
+
+def _gather_entries(entries: Tensor, index: Tensor) -> Tensor:
+    """entries [B, G, E, Dh], index [B, C, k] -> [B, G, C, k, Dh], head-major so that the reads
+    in `attend` are plain batched matmuls (an einsum over a [B, C, k, H, Dh] layout copies in
+    its backward and ran at half the speed)."""
+    b, h, e, dh = entries.shape
+    offset = (torch.arange(b * h, device=index.device) * e).view(b, h, 1, 1)
+    picked = _GatherRows.apply(entries.reshape(b * h * e, dh),
+                               (index[:, None] + offset).reshape(-1))
+    return picked.view(b, h, *index.shape[1:], dh)
+
+
+def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
+    """Selected entries as a mask: index/valid [B, C, k] -> BoolTensor[B, C, n_read]. Padding
+    slots (valid False) go to a spare column that is cut off, so they never mark an entry."""
+    spare = torch.full_like(index, n_read)
+    target = torch.where(valid, index, spare).clamp_max(n_read)
+    mask = torch.zeros(*index.shape[:2], n_read + 1, dtype=torch.bool, device=index.device)
+    return mask.scatter_(-1, target, True)[..., :n_read]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels of the joint softmax read. `attend` decides which keys each query sees; a kernel only
+# computes softmax([q.k for every key set] ++ [sink]) and the matching value reads. Two kernels
+# compute the same quantity: the reference (plain matmuls, softmax over concatenated logits; any
+# device and dtype) and, on CPU, torch's fused flash-attention kernel called once per key set
+# with the partial reads merged through their log-sum-exps (a gathered top-k set, whose keys
+# differ per query, is one more partial read there, by grouped matmuls). The choice is speed
+# only (about 2x on the attention of a training step).
+# ---------------------------------------------------------------------------------------------
+
+ATTENTION_KERNELS = ("auto", "reference")
+_attention_kernel = "auto"
+try:
+    _FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+except (AttributeError, RuntimeError):          # a torch build without the CPU kernel
+    _FLASH_FORWARD = _FLASH_BACKWARD = None
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def set_attention_kernel(name: str) -> str:
+    """Choose the kernel of every later `attend` call; returns the previous choice.
+    "auto": the fused CPU flash kernel where it applies (CPU tensors of fp32/fp64/bf16; a
+    gathered top-k set only in fp32/fp64 and for more than one query, see `_flash_applies`),
+    else the reference; "reference": always the reference. Both give the
+    same result up to floating-point rounding (tests/unit/test_attention_kernels.py)."""
+    global _attention_kernel
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel: must be one of {ATTENTION_KERNELS}; got {name!r}")
+    previous, _attention_kernel = _attention_kernel, name
+    return previous
+
+
+def current_attention_kernel() -> str:
+    """The kernel `attend` uses now ("auto" or "reference"), for run records."""
+    return _attention_kernel
+
+
+@contextmanager
+def attention_kernel(name: str):
+    """`with attention_kernel("reference"): ...` runs the block with that kernel."""
+    previous = set_attention_kernel(name)
+    try:
+        yield
+    finally:
+        set_attention_kernel(previous)
+
+
+@dataclass
+class KeySet:
+    """One set of keys a block of queries reads: k, v [B, H, S, Dh], or with gathered=True the
+    per-query rows of a top-k gather [B, G, C, k, Dh] (G K/V heads); hidden: BoolTensor
+    broadcastable to [B, H, C, S] (or [B, H, C, k]), True where a query may not read the key."""
+
+    k: Tensor
+    v: Tensor
+    hidden: Tensor
+    gathered: bool = False
+    # True when `hidden` is exactly "key j > query i" on a square block that starts at key 0:
+    # the fused kernel then masks causally itself and skips the blocks above the diagonal.
+    causal: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.k.shape[-2]
+
+
+def _gathered_scores(q: Tensor, k: Tensor) -> Tensor:
+    """q [B, H, C, Dh] against each query's gathered rows k [B, G, C, k, Dh] -> [B, H, C, k].
+    Query head i reads K/V head i // (H / G): per query and K/V head one (H/G x Dh) @ (Dh x k)
+    product, so a multi-query entry (G = 1) is copied once and read by every head."""
+    b, h, c, dh = q.shape
+    g = k.shape[1]
+    grouped = q.view(b, g, h // g, c, dh).transpose(2, 3)            # [B, G, C, H/G, Dh]
+    scores = torch.matmul(grouped, k.transpose(-1, -2))               # [B, G, C, H/G, k]
+    return scores.transpose(2, 3).reshape(b, h, c, k.shape[-2])
+
+
+def _gathered_values(p: Tensor, v: Tensor) -> Tensor:
+    """Probabilities p [B, H, C, k] over gathered rows v [B, G, C, k, Dh] -> [B, H, C, Dh]."""
+    b, h, c, n = p.shape
+    g = v.shape[1]
+    grouped = p.view(b, g, h // g, c, n).transpose(2, 3)              # [B, G, C, H/G, k]
+    return torch.matmul(grouped, v).transpose(2, 3).reshape(b, h, c, v.shape[-1])
+
+
+def _per_query_head(entries: Tensor, heads: int) -> Tensor:
+    """Global K or V [B, G, E, Dh] as [B, heads, E, Dh], query head i on K/V head
+    i // (heads / G): the tensor itself when G = heads, a stride-0 view when G = 1."""
+    b, g, e, dh = entries.shape
+    if g == heads:
+        return entries
+    return entries[:, :, None].expand(b, g, heads // g, e, dh).reshape(b, heads, e, dh)
+
+
+def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
+                    ) -> tuple[Tensor, list[Tensor]]:
+    """The joint softmax read with plain matmuls. q [B, H, C, Dh] (already scaled).
+    Returns the output [B, H, C, Dh] and the probabilities over each key set, [B, H, C, S]."""
+    b, h, c, _ = q.shape
+    logits = []
+    for ks in key_sets:
+        if ks.gathered:
+            scores = _gathered_scores(q, ks.k)
+        else:
+            scores = torch.matmul(q, ks.k.transpose(-1, -2))
+        logits.append(scores.masked_fill(ks.hidden, -torch.inf))
+    if sink is not None:
+        logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c, 1))
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    out, at, per_set = None, 0, []
+    for ks in key_sets:
+        p = probs[..., at:at + ks.width]
+        at += ks.width
+        read = _gathered_values(p, ks.v) if ks.gathered else torch.matmul(p, ks.v)
+        out = read if out is None else out + read
+        per_set.append(p)
+    return out, per_set
+
+
+@dataclass(frozen=True)
+class _FlashSet:
+    """One key set of one query block as the fused read takes it: keys and values are rows
+    start:stop of parents[parent] and parents[parent + 1]; mask: the additive float mask
+    (-inf where hidden) or None when the kernel masks causally itself; empty: BoolTensor of
+    the query rows that see none of the set's keys (the kernel reports lse 0 there), or None.
+    gathered: the parents are this block's gathered top-k rows [B, G, C, k, Dh] (whole), read
+    with the grouped matmuls of the reference instead of the fused kernel."""
+
+    parent: int
+    start: int
+    stop: int
+    mask: Tensor | None
+    empty: Tensor | None
+    causal: bool
+    gathered: bool = False
+
+
+def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
+    """`ks` as the fused read takes it: its keys are rows start:start + width of parents[parent]
+    (and its values of parents[parent + 1]); its hidden mask made additive in q's dtype."""
+    mask = None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
+                                              device=q.device).masked_fill_(ks.hidden, -torch.inf)
+    return _FlashSet(parent, start, start + ks.width, mask,
+                     None if ks.causal else ks.hidden.all(-1), ks.causal, ks.gathered)
+
+
+def _flash_kv(parents: tuple, fs: _FlashSet) -> tuple[Tensor, Tensor]:
+    if fs.gathered:
+        return parents[fs.parent], parents[fs.parent + 1]
+    return (parents[fs.parent][:, :, fs.start:fs.stop],
+            parents[fs.parent + 1][:, :, fs.start:fs.stop])
+
+
+def _gathered_read(qc: Tensor, k: Tensor, v: Tensor, fs: _FlashSet
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """A gathered key set's normalised read and log-sum-exp, as the fused kernel returns them
+    for a plain set, and its own probabilities (kept for the backward): qc [B, H, C, Dh], rows
+    k, v [B, G, C, k, Dh] -> [B, H, C, Dh], [B, H, C] (-inf and a zero read on rows that see
+    none of the set's keys), [B, H, C, k]."""
+    scores = _gathered_scores(qc, k) + fs.mask
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    if fs.empty is not None:
+        probs = probs.masked_fill(fs.empty[..., None], 0.0)
+    return _gathered_values(probs, v), lse, probs
+
+
+def _grouped_outer(a: Tensor, x: Tensor, g: int) -> Tensor:
+    """sum over the query heads of each K/V head group of a[h, c, j] x[h, c, d]:
+    a [B, H, C, k], x [B, H, C, Dh] -> [B, G, C, k, Dh] (the gradient of gathered rows)."""
+    b, h, c, n = a.shape
+    grouped_a = a.view(b, g, h // g, c, n).permute(0, 1, 3, 4, 2)         # [B, G, C, k, H/G]
+    grouped_x = x.view(b, g, h // g, c, x.shape[-1]).transpose(2, 3)       # [B, G, C, H/G, Dh]
+    return torch.matmul(grouped_a, grouped_x)
+
+
+def _gathered_backward(g: Tensor, qc: Tensor, k: Tensor, v: Tensor, oc: Tensor, tc: Tensor,
+                       own: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The joint softmax's gradient through a gathered set, given the joint output oc and
+    log-sum-exp tc of the block (as `_FLASH_BACKWARD` takes them for a plain set) and the set's
+    own (probabilities, lse) from the forward: the joint probabilities are
+    p = p_own * exp(lse_own - L), and ds = p * (g.v - rowsum(g * out)). Returns dq
+    [B, H, C, Dh] and the rows' dk, dv [B, G, C, k, Dh]."""
+    own_probs, own_lse = own
+    scale = torch.exp(own_lse - tc).nan_to_num(0.0)     # 0 on rows that see none of the set
+    probs = own_probs * scale[..., None].to(qc.dtype)
+    row = (g * oc).sum(-1, keepdim=True)
+    ds = probs * (_gathered_scores(g, v) - row)
+    heads = k.shape[1]
+    return _gathered_values(ds, k), _grouped_outer(ds, qc, heads), _grouped_outer(probs, g, heads)
+
+
+def _sink_lse(sink: Tensor | None, like: Tensor) -> Tensor:
+    """The sink's logit as a log-sum-exp term shaped like a set's lse [B, H, C] (-inf: none)."""
+    if sink is None:
+        return torch.full_like(like, -torch.inf)
+    return sink.to(like.dtype).view(1, -1, 1).expand_as(like)
+
+
+class _FlashRead(torch.autograd.Function):
+    """softmax over several key sets and a sink, one fused flash call per set, for every query
+    block of an `attend` call in one autograd node.
+
+    Per block, each call returns its set's normalised read o_i and log-sum-exp l_i; the joint
+    read is sum_i exp(l_i - L) o_i with L = logsumexp(l_1, .., l_n, sink). The backward calls
+    the fused backward per set with the joint output and L in place of the set's own: the kernel
+    then recomputes the joint probabilities exp(s - L) and its row term rowsum(grad * out) is
+    the joint one, which is exactly the gradient of the joint softmax (no term is missing).
+    A gathered top-k set (`_FlashSet.gathered`: its parents are the block's own rows) takes the
+    same two steps by grouped matmuls (`_gathered_read`, `_gathered_backward`).
+
+    Why one node for all blocks: with a node per block, autograd would back-propagate each
+    block's slice of q and of the shared K/V as a zero tensor the size of the whole parent,
+    filled, copied into and summed, per block (quadratic in the number of blocks); here each
+    block's gradient is written into (q) or added into (K, V) its slice of one buffer.
+    plan: per block (c0, c1, sets), the queries c0:c1 and their `_FlashSet`s (none: the block
+    reads nothing, its output is 0). Returns the output [B, H, T, Dh] and L [B, H, T]."""
+
+    @staticmethod
+    def forward(ctx, q, sink, plan, *parents):
+        outs, totals = [], []
+        own = {}      # a gathered set's own probabilities and lse, by its first parent
+        for c0, c1, sets in plan:
+            qc = q[:, :, c0:c1]
+            reads, lses = [], []
+            for fs in sets:
+                if fs.gathered:
+                    o, lse, probs = _gathered_read(qc, *_flash_kv(parents, fs), fs)
+                    own[fs.parent] = (probs, lse)
+                else:
+                    o, lse = _FLASH_FORWARD(qc, *_flash_kv(parents, fs), 0.0, fs.causal,
+                                            attn_mask=fs.mask, scale=1.0)
+                if fs.empty is not None:
+                    lse = lse.masked_fill(fs.empty, -torch.inf)   # the kernel says 0 there
+                reads.append(o)
+                lses.append(lse)
+            if not sets:
+                outs.append(qc.new_zeros(qc.shape))
+                lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+                totals.append(_sink_lse(sink, qc.new_zeros(qc.shape[:3], dtype=lse_dtype)))
+                continue
+            if sink is not None:
+                lses.append(_sink_lse(sink, lses[0]))
+            total = torch.logsumexp(torch.stack(lses), dim=0)
+            out = reads[0] * torch.exp(lses[0] - total)[..., None].to(q.dtype)
+            for o, lse in zip(reads[1:], lses[1:]):
+                out = out + o * torch.exp(lse - total)[..., None].to(q.dtype)
+            outs.append(out)
+            totals.append(total)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        total = totals[0] if len(totals) == 1 else torch.cat(totals, dim=2)
+        ctx.plan, ctx.own = plan, own
+        ctx.save_for_backward(q, sink, out, total, *parents)
+        ctx.mark_non_differentiable(total)
+        return out, total
+
+    @staticmethod
+    def backward(ctx, grad, _grad_total):
+        q, sink, out, total, *parents = ctx.saved_tensors
+        wants = ctx.needs_input_grad
+        grad_q = torch.zeros_like(q) if wants[0] else None
+        # a gathered set's rows belong to one block: their gradient is assigned, not added
+        gathered = {i for _, _, sets in ctx.plan for fs in sets if fs.gathered
+                    for i in (fs.parent, fs.parent + 1)}
+        grad_parents = [torch.zeros_like(p) if p is not None and wants[3 + i]
+                        and i not in gathered else None for i, p in enumerate(parents)]
+        grad_sink = torch.zeros_like(sink, dtype=total.dtype) \
+            if sink is not None and wants[1] else None
+        # last block first, the order in which autograd ran a node per block
+        for c0, c1, sets in reversed(ctx.plan):
+            if not sets:
+                continue
+            g = grad[:, :, c0:c1].contiguous()
+            qc, oc, tc = q[:, :, c0:c1], out[:, :, c0:c1].contiguous(), total[:, :, c0:c1]
+            dq = None
+            for fs in sets:
+                if fs.gathered:
+                    dq_set, dk, dv = _gathered_backward(g, qc, *_flash_kv(parents, fs), oc, tc,
+                                                        ctx.own[fs.parent])
+                    for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
+                        if wants[3 + i]:
+                            grad_parents[i] = d
+                else:
+                    dq_set, dk, dv = _FLASH_BACKWARD(g, qc, *_flash_kv(parents, fs), oc, tc,
+                                                     0.0, fs.causal, attn_mask=fs.mask,
+                                                     scale=1.0)
+                    for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
+                        if grad_parents[i] is not None:
+                            grad_parents[i][:, :, fs.start:fs.stop] += d
+                dq = dq_set if dq is None else dq + dq_set
+            if grad_q is not None:
+                grad_q[:, :, c0:c1] = dq
+            if grad_sink is not None:
+                # d out / d sink = -out * p_sink per query row
+                p_sink = torch.exp(sink.to(tc.dtype).view(1, -1, 1) - tc)
+                grad_sink += -((g * oc).sum(-1).to(tc.dtype) * p_sink).sum((0, 2))
+        if grad_sink is not None:
+            grad_sink = grad_sink.to(sink.dtype)
+        return grad_q, grad_sink, None, *grad_parents
+
+
+def _fused_kernel_takes(q: Tensor) -> bool:
+    """Whether the fused kernel is chosen and can run for queries like q (CPU, its dtypes)."""
+    return (_attention_kernel == "auto" and _FLASH_FORWARD is not None
+            and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES)
+
+
+def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
+    """Whether `_FlashRead` takes these key sets: the fused kernel for plain sets, and its
+    grouped matmuls for gathered ones, in float32/float64 (in bf16 the reference's softmax over
+    the concatenated logits stays the one place that rounds them) and for more than one query
+    (one decode query: the reference's few small matmuls cost less than the node). In a
+    training forward the node saves the per-block slice gradients of q and of the window K/V.
+    Timings of both choices: benchmarks/README.md, "Gathered reads inside the fused node:
+    decode and training timings"."""
+    return _fused_kernel_takes(q) and all(
+        ks.k.dtype == q.dtype and ks.v.dtype == q.dtype
+        and (not ks.gathered or (q.dtype in (torch.float32, torch.float64) and q.shape[2] > 1))
+        for ks in key_sets)
+
+
+def _set_probs(q: Tensor, ks: KeySet, total: Tensor) -> Tensor:
+    """The joint softmax's probabilities over one key set [B, H, C, S] (a gathered set: over
+    its slots, [B, H, C, k]), recomputed from the joint log-sum-exp `total` [B, H, C]
+    (detached)."""
+    with torch.no_grad():
+        scores = (_gathered_scores(q, ks.k) if ks.gathered
+                  else torch.matmul(q, ks.k.transpose(-1, -2)))
+        scores = scores.masked_fill(ks.hidden, -torch.inf)
+        return torch.exp(scores - total[..., None].to(q.dtype))
+
+
+def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of: int | None
+                ) -> tuple[Tensor, list[Tensor | None]]:
+    """The joint softmax read through `_FlashRead` as one block; the probabilities of key set
+    `probs_of` only (recomputed, detached), the others None. A call with nothing to read
+    (every set empty) is a plan block without sets: output 0."""
+    used = [ks for ks in key_sets if ks.width > 0]
+    sets = tuple(_flash_set(ks, 2 * i, 0, q) for i, ks in enumerate(used))
+    out, total = _FlashRead.apply(q, sink, [(0, q.shape[2], sets)],
+                                  *[t for ks in used for t in (ks.k, ks.v)])
+    per_set: list[Tensor | None] = [None] * len(key_sets)
+    if probs_of is not None:
+        per_set[probs_of] = _set_probs(q, key_sets[probs_of], total)
+    return out, per_set
+
+
+def joint_read(q: Tensor, key_sets: list[KeySet], sink: Tensor | None,
+               probs_of: int | None = None) -> tuple[Tensor, list[Tensor | None]]:
+    """softmax over the logits q.k of every key set plus the sink logit (per head, it only
+    enters the denominator), and the matching read of the values. q [B, H, C, Dh], already
+    scaled. Returns the output [B, H, C, Dh] and the probabilities over each key set
+    ([B, H, C, S], detached where the fused kernel ran; only `probs_of`'s is guaranteed)."""
+    if _flash_applies(q, key_sets):
+        return _read_flash(q, key_sets, sink, probs_of)
+    return _read_reference(q, key_sets, sink)
+
+
+def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
+                  window: WindowKV | None, source: SourceKV | None, sparse: bool,
+                  first_entry: Tensor | None) -> bool:
+    """Whether a whole `attend` call is one plain causal read the fused kernel can mask by
+    itself (query i sees keys 0..i of one key set): a full-causal window from position 0 with
+    no replay or document start, or a ratio-1 dense global read with no document mask. Such a
+    call then runs as one block: per-block masks would make the kernel score every key it
+    hides, about twice the work of its causal loop at long T."""
+    if not _fused_kernel_takes(q):
+        return False
+    n, start = len(query_positions), int(query_positions[0]) if len(query_positions) else -1
+    if start != 0:
+        return False
+    if window is not None and source is None:
+        return (window.positions.numel() == n and window.k.dtype == q.dtype
+                and not bool(lower.any()))
+    if window is None and source is not None:
+        return (not sparse and first_entry is None and source.compress_ratio == 1
+                and source.n_entries == n and source.k.dtype == q.dtype)
+    return False
+
+
+def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
+           source: SourceKV | None, selection: Selection | None, sink: Tensor | None,
+           block: int, want_global_probs: bool = False,
+           global_read: str = "auto", first_entry: Tensor | None = None
+           ) -> tuple[Tensor, Tensor | None]:
+    """Attention of queries over their window keys and global entries, in query blocks.
+
+    q: [B, H, Tq, Dh] (rotated) at query_positions [Tq]; lower: [B|1, Tq] from
+    `window_lower_bound`; window: keys at ascending positions, or None (no window keys);
+    source: the global KV read, or None; selection: top-k entries, or None/index None to read
+    every visible entry; sink: [H] logits that only enter the denominator; global_read:
+    how a top-k read runs per block (`ced.config.global_read_is_masked`: a gather of the k
+    entries, or one matmul over the visible entries with the unselected ones masked; the same
+    softmax over the same entries either way); first_entry: [B, Tq] or None, the document
+    mask of a dense read (`first_visible_entry`; a top-k selection already respects it).
+    Returns the output [B, H, Tq, Dh] and, if asked, the attention mass on global entries
+    summed over heads, [B, Tq, k] (selected read) or [B, Tq, E] (dense read), detached.
+
+    Why this stays one function, over 60 lines: it is the one readable place for the visibility
+    rules (which window keys a query sees, which global entries are visible and selected, how
+    the three read forms mask them). Each block's rules become KeySets; the one softmax over
+    all of them and the sink is taken by the fused CPU kernel for every block at once
+    (`_FlashRead`) or by `joint_read` per block (the reference: bf16 gathers, other devices): the
+    same quantity. Training, parallel evaluation and the engine all run through it.
+    """
+    b, h, n_queries, dh = q.shape
+    q = q * (1.0 / math.sqrt(dh))      # scaled once here rather than every block's logits
+    sparse = selection is not None and selection.index is not None
+    n_visible = visible_entries(query_positions, source.compress_ratio) if source else None
+    causal = _plain_causal(q, query_positions, lower, window, source, sparse, first_entry)
+    if causal:
+        block = n_queries
+    # Global K/V per query head for the plain and masked reads, made when a block first needs
+    # them (a gathered read copies the K/V heads' rows and groups the query heads itself).
+    entry_k = entry_v = None
+    # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
+    # (parent, start) for the fused read (a gathered set: its own rows, parents 4 + 2i, 5 + 2i,
+    # kept in `gathered_rows`), the selection, masked)
+    blocks, gathered_rows = [], []
+    for c0 in range(0, n_queries, block):
+        c1 = min(c0 + block, n_queries)
+        qpos = query_positions[c0:c1]
+        key_sets: list[KeySet] = []
+        spans: list[tuple[int, int] | None] = []
+        if window is not None:
+            low = lower[:, c0:c1]
+            first = int(torch.searchsorted(window.positions, low.min()))
+            last = int(torch.searchsorted(window.positions, qpos[-1], right=True))
+            kpos = window.positions[first:last]
+            hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
+            key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
+                                   hidden[:, None], causal=causal))
+            spans.append((0, first))
+        masked, idx = False, None
+        if source is not None:
+            n_read = int(n_visible[c1 - 1])
+            if sparse:
+                idx, valid = selection.index[:, c0:c1], selection.valid[:, c0:c1]
+                masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
+                                               h // source.k.shape[1])
+            if sparse and not masked:
+                rows = (_gather_entries(source.k, idx), _gather_entries(source.v, idx))
+                key_sets.append(KeySet(*rows, ~valid[:, None], gathered=True))
+                spans.append((4 + len(gathered_rows), 0))
+                gathered_rows.extend(rows)
+            else:
+                if masked:
+                    hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
+                else:
+                    entry = torch.arange(n_read, device=q.device)
+                    hidden = (entry[None, :] >= n_visible[c0:c1, None])[None, None]
+                    if first_entry is not None:
+                        hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
+                if entry_k is None:
+                    entry_k, entry_v = _per_query_head(source.k, h), _per_query_head(source.v, h)
+                key_sets.append(KeySet(entry_k[:, :, :n_read], entry_v[:, :, :n_read], hidden,
+                                       causal=causal))
+                spans.append((2, 0))
+        blocks.append((c0, c1, key_sets, spans, idx, masked))
+
+    wants_mass = want_global_probs and source is not None
+    global_probs = []
+    if all(_flash_applies(q, key_sets) for _, _, key_sets, *_ in blocks):
+        # every block through the fused kernel, in one autograd node (see _FlashRead)
+        plan = [(c0, c1, tuple(_flash_set(ks, *span, q) for ks, span in zip(key_sets, spans)
+                               if ks.width > 0)) for c0, c1, key_sets, spans, *_ in blocks]
+        parents = (window.k if window is not None else None,
+                   window.v if window is not None else None,
+                   entry_k, entry_v, *gathered_rows)
+        result, total = _FlashRead.apply(q, sink, plan, *parents)
+        if wants_mass:
+            probs = [_set_probs(q[:, :, c0:c1], key_sets[-1], total[:, :, c0:c1])
+                     for c0, c1, key_sets, *_ in blocks]
+    else:
+        outputs, probs = [], []
+        for c0, c1, key_sets, *_ in blocks:
+            qc = q[:, :, c0:c1]
+            out, block_probs = joint_read(qc, key_sets, sink,
+                                          len(key_sets) - 1 if wants_mass else None)
+            outputs.append(out if out is not None else qc.new_zeros(b, h, c1 - c0, dh))
+            probs.append(block_probs[-1] if wants_mass else None)
+        result = torch.cat(outputs, dim=2)
+    if wants_mass:
+        for (c0, c1, key_sets, _, idx, masked), p in zip(blocks, probs):
+            mass = p.detach().sum(dim=1)
+            width = key_sets[-1].width
+            if sparse and masked:     # back to the selection's slots [B, C, k]
+                mass = torch.gather(F.pad(mass, (0, source.n_entries - width)), -1, idx)
+            elif not sparse:
+                mass = F.pad(mass, (0, source.n_entries - width))
+            global_probs.append(mass)
+    return result, (torch.cat(global_probs, dim=1) if global_probs else None)
