@@ -482,6 +482,7 @@ def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of
     `probs_of` only (recomputed, detached), the others None. A call with nothing to read
     (every set empty) is a plan block without sets: output 0."""
     used = [ks for ks in key_sets if ks.width > 0]
+    # each set's K and V are its own two slots, in order: set i at slot 2 i
     sets = tuple(_flash_set(ks, 2 * i, 0, q) for i, ks in enumerate(used))
     out, total = _FlashRead.apply(q, sink, [(0, q.shape[2], sets)],
                                   *[t for ks in used for t in (ks.k, ks.v)])
@@ -524,6 +525,12 @@ def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
     return False
 
 
+# The K/V tensors `attend` hands `_FlashRead` after (q, sink, plan), as slots: a key set's keys
+# are at its slot and its values at slot + 1. The window's K/V, then the global entries' K/V
+# per query head, then each gathered block's own rows (two slots per block).
+_WINDOW_SLOT, _ENTRY_SLOT, _GATHERED_SLOT = 0, 2, 4
+
+
 def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
            source: SourceKV | None, selection: Selection | None, sink: Tensor | None,
            block: int, want_global_probs: bool = False,
@@ -560,8 +567,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     # them (a gathered read copies the K/V heads' rows and groups the query heads itself).
     entry_k = entry_v = None
     # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
-    # (parent, start) for the fused read (a gathered set: its own rows, parents 4 + 2i, 5 + 2i,
-    # kept in `gathered_rows`), the selection, masked)
+    # (slot, start) for the fused read (a gathered set: its own rows, in `gathered_rows` from
+    # _GATHERED_SLOT on), the selection, masked)
     blocks, gathered_rows = [], []
     for c0 in range(0, n_queries, block):
         c1 = min(c0 + block, n_queries)
@@ -576,7 +583,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
             key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
                                    hidden[:, None], causal=causal))
-            spans.append((0, first))
+            spans.append((_WINDOW_SLOT, first))
         masked, idx = False, None
         if source is not None:
             n_read = int(n_visible[c1 - 1])
@@ -587,7 +594,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             if sparse and not masked:
                 rows = (_gather_entries(source.k, idx), _gather_entries(source.v, idx))
                 key_sets.append(KeySet(*rows, ~valid[:, None], gathered=True))
-                spans.append((4 + len(gathered_rows), 0))
+                spans.append((_GATHERED_SLOT + len(gathered_rows), 0))
                 gathered_rows.extend(rows)
             else:
                 if masked:
@@ -601,7 +608,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                     entry_k, entry_v = _per_query_head(source.k, h), _per_query_head(source.v, h)
                 key_sets.append(KeySet(entry_k[:, :, :n_read], entry_v[:, :, :n_read], hidden,
                                        causal=causal))
-                spans.append((2, 0))
+                spans.append((_ENTRY_SLOT, 0))
         blocks.append((c0, c1, key_sets, spans, idx, masked))
 
     wants_mass = want_global_probs and source is not None
