@@ -13,8 +13,11 @@ after the warm-up rounds the median of `--steps` rounds is reported as tokens/s,
 to the GPT as the median over rounds of the paired ratio (GPT step time / model step time in
 the same round; the JSON also keeps the ratio of the two medians). Beside it, the analytic
 matmul FLOPs of each model's forward (ced.cost; the GPT's own count), so the table says how
-much of a ratio is work the model does and how much is the rate it does it at. Targets (issue 10): ced, dense and yoco >= 1.0x the GPT at both shapes; swa >= 1.3x
-at T = 2048.
+much of a ratio is work the model does and how much is the rate it does it at. Targets (issue
+35, against the work each variant does): dense, yoco, ced and ced_mq run their executed
+forward FLOPs at >= 0.9 of the GPT's FLOP rate at both shapes (`rate_vs_gpt`: tokens/s ratio
+over executed-FLOP ratio; their ideal FLOP ratio to the GPT is about 1); swa >= 1.3x the
+GPT's tokens/s at T = 2048, where its windows skip most of the GPT's attention.
 
     python benchmarks/peer.py                       # both shapes, fp32, torch's threads
     python benchmarks/peer.py --shapes 8x512 --steps 3 --variants ced
@@ -50,7 +53,7 @@ COMMON = dict(vocab_size=259, d_model=256, n_heads=4, n_encoder_layers=8, n_deco
               window=64, d_ff=683, max_seq_len=2048)
 CED_FIELDS = dict(topk=64, global_from_layer=2, encoder_kv_groups=3, encoder_compress_ratio=2,
                   decoder_compress_ratio=1, decoder_reindex_every=4)
-TARGETS = {"ced": 1.0, "ced_mq": 1.0, "dense": 1.0, "yoco": 1.0}
+RATE_TARGETS = {"ced": 0.9, "ced_mq": 0.9, "dense": 0.9, "yoco": 0.9}
 SWA_TARGET_LONG = (2048, 1.3)
 
 
@@ -157,9 +160,10 @@ def check_targets(results: dict) -> list[str]:
     failures = []
     for shape, row in results.items():
         length = int(shape.split("x")[1])
-        for name, target in TARGETS.items():
-            if name in row and row[name]["ratio_to_gpt"] < target:
-                failures.append(f"{name} at {shape}: {row[name]['ratio_to_gpt']:.2f}x < {target}x")
+        for name, target in RATE_TARGETS.items():
+            if name in row and row[name]["rate_vs_gpt"] < target:
+                failures.append(f"{name} at {shape}: FLOP rate {row[name]['rate_vs_gpt']:.2f} "
+                                f"of the GPT's < {target}")
         if "swa" in row and length == SWA_TARGET_LONG[0] and \
                 row["swa"]["ratio_to_gpt"] < SWA_TARGET_LONG[1]:
             failures.append(f"swa at {shape}: {row['swa']['ratio_to_gpt']:.2f}x < "
