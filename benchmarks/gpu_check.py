@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
@@ -48,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from ced import CEDModel, InferenceEngine, ModelConfig, exact_replay_length  # noqa: E402
 from ced.cost import forward_flops  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from peer import COMMON, model_config  # noqa: E402
+from peer import COMMON, make_step, model_config  # noqa: E402
 
 TOL = 1e-9
 VARIANTS = ("dense", "swa", "yoco", "ced")
@@ -147,26 +146,6 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: in
     return out
 
 
-def train_step(model: torch.nn.Module, ids: torch.Tensor, bf16: bool) -> Callable[[], None]:
-    """One AdamW step on next-token cross-entropy (+ the indexer KL where there is one)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    indexed = isinstance(model, CEDModel) and model.cfg.topk is not None
-
-    def step() -> None:
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-            if indexed:
-                logits, aux = model(ids, return_aux=True)
-                extra = aux["indexer_kl"]
-            else:
-                logits, extra = model(ids), 0.0
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-        (loss + extra).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 class Check:
     """The results tree, the time budget, and the guard every cell runs under."""
 
@@ -229,7 +208,7 @@ def training_cells(check: Check, section: str, batch: int, length: int, dtypes: 
             def run(name=name, dtype=dtype) -> dict:
                 model = build(name, max(length, COMMON["max_seq_len"]), check.args.tiny,
                               check.device).train()
-                row = timed(train_step(model, ids, dtype == "bf16"), check.device, warmup, iters)
+                row = timed(make_step(model, ids, dtype), check.device, warmup, iters)
                 row.update(params=sum(p.numel() for p in model.parameters()),
                            tokens_per_s=ids.numel() / row["median_s"],
                            flops_executed=batch * executed_flops(model, length))

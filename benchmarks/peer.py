@@ -86,9 +86,10 @@ def build(name: str, overrides: dict, compile_mode: str = "none") -> torch.nn.Mo
 
 
 def make_step(model: torch.nn.Module, ids: torch.Tensor, dtype: str):
-    """One AdamW step on next-token cross-entropy (+ the indexer KL for a model with one)."""
+    """One AdamW step on next-token cross-entropy (+ the indexer KL for a model with one), on
+    the device of `ids`; dtype fp32 or bf16 (autocast). benchmarks/gpu_check.py times it too."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
     indexed = isinstance(model, CEDModel) and model.cfg.topk is not None
 
     def step() -> None:

@@ -53,7 +53,7 @@ def test_gpu_check_runs_every_section_at_toy_size_on_cpu(tmp_path):
 def test_gpu_check_records_a_failing_cell_and_goes_on(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("out of luck")
-    monkeypatch.setattr(gpu_check, "train_step", broken)
+    monkeypatch.setattr(gpu_check, "make_step", broken)
     assert gpu_check.main(["--device", "cpu", "--tiny", "--sections", "short", "--warmup", "0",
                            "--iters", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["short"]["2x64"]["train_fp32"]
