@@ -787,12 +787,12 @@ def main(argv: list[str] | None = None) -> int:
     return list_written("findings", lambda: write_findings(study, Path(args.out), args.alpha))
 
 
-def list_written(tag: str, write) -> int:
+def list_written(tag: str, write, errors: tuple = (FileNotFoundError,)) -> int:
     """Run `write()` (-> {name: path}) and print each path as `[tag] name: path`; a missing
-    input (FileNotFoundError) is one line and exit code 2."""
+    input (FileNotFoundError, or any of `errors`) is one line and exit code 2."""
     try:
         written = write()
-    except FileNotFoundError as exc:
+    except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for name, path in written.items():

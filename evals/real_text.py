@@ -1,0 +1,492 @@
+"""Bounded replay on real text: per-token KL(exact || replay) on held-out source files, by the
+token's distance from the replay start and by token class: `python -m evals.real_text`.
+
+    python -m evals.real_text --checkpoint RUN/seed0/final RUN/seed1/final --out DIR \
+        [--replays 1 W/2 W 2W R_exact] [--continuation W] [--passes 4] [--context 128]
+
+Every validation file of the checkpoint's `data=stdlib` split (the files its training never
+saw) is read whole, as the model was trained: BOS file EOS, cut into rows of `--row-len` bytes
+that overlap by `--context`, so that every scored byte has at least `--context` bytes before it
+and is scored in exactly one row.
+
+How a replay is read, for every byte at once. A bounded replay of N tokens at a prompt boundary
+T is the parallel forward with every decoder window truncated at the replay start s = T - N
+(docs/semantics.md 4.1, 4.4; tests/integration/test_invariants.py holds it equal to the
+engine's early-exit prefill followed by decode steps, and tests/unit/test_real_text.py holds
+this module's numbers equal to `evals.modes.mode_logits`). A forward with replay starts every
+S positions therefore reads, at each position, the continuation of some replay: the byte at
+distance d = (its position) - s from the latest start s is the (d - N)-th continuation byte of
+a prompt replayed with N, for every N <= d. One forward per pass covers every byte; `--passes`
+P shifts the starts by S / P so that each byte is read at P distances. S = R_exact + G, with G
+the continuation length (`--continuation`, default W): "replay N" below is the G bytes that
+follow a prompt replayed with N, i.e. the bytes at distance N <= d < N + G. At N = R_exact
+every KL is zero up to rounding: the check that the read is right.
+
+Token classes (`evals.code_tokens`, from Python's tokenize over the whole file):
+identifier_far (a name whose latest earlier occurrence starts more than W bytes back),
+closer_before_replay (a closing bracket, or the first byte of a dedenting line, whose opener
+lies before the replay start) and other; the finer classes are kept in `class`.
+
+Writes into --out:
+  tokens.parquet     one row per (checkpoint, pass, scored byte): file, byte, distance, replay
+                     start, class, KL(exact || replay), NLL under each
+  kl_by_position.csv per checkpoint and distance d: bytes, mean, median, p99 and max KL
+  kl_by_class.csv    per checkpoint, N and class group (and `all`): bytes, mean / median / p99 /
+                     max KL, NLL exact and replay, delta perplexity, with a 95% CI over files
+                     (cluster bootstrap: the files are the examples), and per job pooled over
+                     checkpoints with the seed-level CI (models, then files within a model)
+  baselines.csv      unigram and bigram NLL on the same validation bytes (counts from the train
+                     split; add-k smoothing with k chosen on the validation bytes themselves,
+                     which favours the baselines) beside each model's exact NLL
+  kl_by_position.png, kl_by_class.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ced import exact_replay_length
+from ced.checkpoint import CheckpointError, load_model
+from ced.config import parse_replay_form, replay_length
+from ced.data.tokenizer import ByteTokenizer
+
+from .code_tokens import Annotation, annotate, classify, group_of
+
+_TOK = ByteTokenizer()
+DEFAULT_REPLAYS = ("1", "W/2", "W", "2W", "R_exact")
+
+
+# ---- the held-out files, as rows ------------------------------------------------------------
+
+def validation_files(fraction: float = 0.05) -> list[tuple[str, bytes]]:
+    """(relative path, bytes) of every stdlib file in the validation split of `data=stdlib`
+    with this `validation_fraction` (ced.data.corpora: the same hash, the same files)."""
+    from ced.data.corpora import in_validation, stdlib_paths
+    out = []
+    for rel, path in stdlib_paths():
+        if in_validation(rel, fraction):
+            with open(path, "rb") as fh:
+                out.append((rel, fh.read()))
+    return out
+
+
+@dataclass
+class Rows:
+    """Overlapping rows over the files' streams (BOS file EOS).
+
+    ids     LongTensor [R, L] token ids, PAD after a file's end
+    file    LongTensor [R]    index into the file list
+    offset  LongTensor [R]    stream offset of row position 0 (stream offset 0 is BOS, so
+                              file byte b is stream offset b + 1)
+    scored  BoolTensor [R, L] position i is scored: the byte it predicts (stream offset
+                              offset + i + 1) is a file byte, at least `context` bytes in,
+                              and no other row scores it
+    """
+
+    ids: torch.Tensor
+    file: torch.Tensor
+    offset: torch.Tensor
+    scored: torch.Tensor
+
+
+def build_rows(files: list[bytes], row_len: int, context: int) -> Rows:
+    """Rows of `row_len` tokens, consecutive rows of a file overlapping by context + 1."""
+    if not 0 <= context < row_len - 1:
+        raise ValueError(f"context: must lie in [0, row_len - 2 = {row_len - 2}]; got {context}")
+    stride = row_len - 1 - context
+    ids, file_index, offsets, scored = [], [], [], []
+    for f, data in enumerate(files):
+        stream = torch.tensor([_TOK.bos, *data, _TOK.eos], dtype=torch.long)
+        last_byte = len(data)                     # stream offset of the file's last byte
+        start = 0
+        while start + context + 1 <= last_byte:
+            row = torch.full((row_len,), _TOK.pad, dtype=torch.long)
+            piece = stream[start:start + row_len]
+            row[:len(piece)] = piece
+            predicted = start + torch.arange(row_len) + 1      # stream offset predicted at i
+            # the last position's successor is not in the row: the next row scores it
+            positions = torch.arange(row_len)
+            mask = (positions >= context) & (positions < row_len - 1) & (predicted <= last_byte)
+            ids.append(row), file_index.append(f), offsets.append(start), scored.append(mask)
+            start += stride
+    if not ids:
+        raise ValueError(f"no file is longer than context {context}: nothing to score")
+    return Rows(torch.stack(ids), torch.tensor(file_index), torch.tensor(offsets),
+                torch.stack(scored))
+
+
+def replay_starts(row_len: int, period: int, offset: int) -> torch.Tensor:
+    """LongTensor [K]: a replay start every `period` positions from `offset` (< row_len)."""
+    return torch.arange(offset, row_len, period, dtype=torch.long)
+
+
+def distances(row_len: int, starts: torch.Tensor) -> torch.Tensor:
+    """LongTensor [L]: for the byte predicted at each position i (it sits at i + 1), its
+    distance i + 1 - s from the latest start s <= i; 0 where no start precedes."""
+    positions = torch.arange(row_len)
+    latest = torch.searchsorted(starts, positions, right=True) - 1
+    out = positions + 1 - starts[latest.clamp_min(0)]
+    return torch.where(latest >= 0, out, torch.zeros_like(out))
+
+
+# ---- scoring one model ------------------------------------------------------------------------
+
+@torch.no_grad()
+def score(model, rows: Rows, period: int, passes: int, batch_size: int = 8) -> dict[str, np.ndarray]:
+    """Per scored byte and pass: KL(exact || replay) and the NLL under each, with the byte's
+    distance from the replay start and that start (stream offset). Columns of equal length."""
+    length = rows.ids.shape[1]
+    columns: dict[str, list] = {k: [] for k in ("pass", "row", "position", "distance", "start",
+                                                "kl", "nll_exact", "nll_replay")}
+    offsets = sorted({round(p * period / passes) for p in range(passes)})
+    for b0 in range(0, rows.ids.shape[0], batch_size):
+        ids = rows.ids[b0:b0 + batch_size]
+        targets = torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), _TOK.pad)], 1)
+        lp_exact = torch.log_softmax(model(ids).double(), -1)
+        for p, offset in enumerate(offsets):
+            starts = replay_starts(length, period, offset)
+            d = distances(length, starts)
+            keep = rows.scored[b0:b0 + batch_size] & (d > 0)[None]
+            lp = torch.log_softmax(
+                model(ids, decoder_replay_start=starts.expand(ids.shape[0], -1)).double(), -1)
+            kl = (lp_exact.exp() * (lp_exact - lp)).sum(-1).clamp_min(0.0)
+            nll_e = -lp_exact.gather(-1, targets[..., None])[..., 0]
+            nll_r = -lp.gather(-1, targets[..., None])[..., 0]
+            r, i = keep.nonzero(as_tuple=True)
+            latest = starts[torch.searchsorted(starts, i, right=True) - 1]
+            columns["pass"].append(torch.full_like(r, p))
+            columns["row"].append(r + b0)
+            columns["position"].append(i)
+            columns["distance"].append(d[i])
+            columns["start"].append(rows.offset[r + b0] + latest)
+            for name, values in (("kl", kl), ("nll_exact", nll_e), ("nll_replay", nll_r)):
+                columns[name].append(values[r, i])
+    return {k: torch.cat(v).numpy() for k, v in columns.items()}
+
+
+def token_table(scores: dict[str, np.ndarray], rows: Rows, names: list[str],
+                annotations: list[Annotation | None], window: int):
+    """The scores as a DataFrame with file, byte (offset in the file of the predicted byte),
+    start (file offset of the replay start; -1 when it is the BOS before the file) and class.
+    Files `tokenize` rejected keep their bytes, as class `unparsed`."""
+    import pandas as pd
+    row = scores["row"]
+    file = rows.file.numpy()[row]
+    byte = rows.offset.numpy()[row] + scores["position"]       # stream offset - 1
+    start = scores["start"] - 1
+    classes = np.full(len(row), "unparsed", dtype=object)
+    for f in np.unique(file):
+        ann = annotations[f]
+        if ann is not None:
+            at = file == f
+            classes[at] = classify(ann, byte[at], start[at], window)
+    table = pd.DataFrame({"file": np.asarray(names, dtype=object)[file], "byte": byte,
+                          "pass": scores["pass"], "distance": scores["distance"],
+                          "start": start, "class": classes, "kl": scores["kl"],
+                          "nll_exact": scores["nll_exact"], "nll_replay": scores["nll_replay"]})
+    table["group"] = [group_of(c) if c != "unparsed" else "unparsed" for c in table["class"]]
+    return table
+
+
+# ---- summaries ----------------------------------------------------------------------------
+
+def cluster_bootstrap(parts: list, resamples: int = 1000, seed: int = 0,
+                      confidence: float = 0.95) -> tuple[float, float]:
+    """Interval of a mean of token values when tokens come in clusters (files) within models.
+
+    parts: one entry per model, each an array [files, 2] of (sum of values, token count) per
+    file. A replicate draws the models with replacement, then each drawn model's files with
+    replacement, and averages the models' ratio means (sum / count): the model is the unit,
+    and within a model the file is the example. With one model, only files are drawn. Returns
+    the percentile interval (NaN, NaN without tokens)."""
+    rng = np.random.default_rng(seed)
+    parts = [np.asarray(p, dtype=float).reshape(-1, 2) for p in parts]
+    parts = [p for p in parts if p[:, 1].sum() > 0]
+    if not parts:
+        return math.nan, math.nan
+    stats = np.empty(resamples)
+    n_models = len(parts)
+    for k in range(resamples):
+        models = rng.integers(0, n_models, n_models) if n_models > 1 else [0]
+        means = []
+        for m in models:
+            part = parts[m]
+            pick = part[rng.integers(0, len(part), len(part))]
+            means.append(pick[:, 0].sum() / max(pick[:, 1].sum(), 1e-300))
+        stats[k] = np.mean(means)
+    tail = (1 - confidence) / 2
+    return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
+
+
+def replay_groups(table, replays: dict[str, int], continuation: int):
+    """Rows of `table` read as the continuation of a replay of N: distance in [N, N + G).
+    replays: {label: N}. Yields (label, N, the rows)."""
+    for label, n in replays.items():
+        part = table[(table["distance"] >= n) & (table["distance"] < n + continuation)]
+        yield label, n, part
+
+
+def _file_sums(part, column: str) -> np.ndarray:
+    grouped = part.groupby("file")[column].agg(["sum", "count"])
+    return grouped[["sum", "count"]].to_numpy(dtype=float)
+
+
+def class_summary(part, resamples: int, seed: int) -> dict:
+    """Token statistics of one (model or job, N, class) cell; `part` may hold several models
+    (column `checkpoint`): its CIs are then seed-level."""
+    kl = part["kl"].to_numpy()
+    models = [m for _, m in part.groupby("checkpoint")]
+    ci = cluster_bootstrap([_file_sums(m, "kl") for m in models], resamples, seed)
+    dnll = part["nll_replay"] - part["nll_exact"]
+    ci_dnll = cluster_bootstrap(
+        [_file_sums(m.assign(dnll=m["nll_replay"] - m["nll_exact"]), "dnll") for m in models],
+        resamples, seed)
+    nll_e, nll_r = float(part["nll_exact"].mean()), float(part["nll_replay"].mean())
+    return {"models": len(models), "files": part["file"].nunique(), "bytes": len(part),
+            "kl_mean": float(kl.mean()), "kl_ci_low": ci[0], "kl_ci_high": ci[1],
+            "kl_median": float(np.median(kl)), "kl_p99": float(np.quantile(kl, 0.99)),
+            "kl_max": float(kl.max()), "nll_exact": nll_e, "nll_replay": nll_r,
+            "dnll_mean": float(dnll.mean()), "dnll_ci_low": ci_dnll[0],
+            "dnll_ci_high": ci_dnll[1], "delta_ppl": math.exp(nll_r) - math.exp(nll_e)}
+
+
+def by_class(table, replays: dict[str, int], continuation: int, level: str,
+             resamples: int = 1000, seed: int = 0):
+    """kl_by_class rows: per (`level` key: checkpoint or job), N and class group (and `all`)."""
+    import pandas as pd
+    out = []
+    for key, unit in table.groupby(level):
+        for label, n, part in replay_groups(unit, replays, continuation):
+            for group, cell in [("all", part), *part.groupby("group")]:
+                if len(cell):
+                    out.append({level: key, "replay": label, "N": n, "group": group,
+                                **class_summary(cell, resamples, seed)})
+    return pd.DataFrame(out)
+
+
+def by_position(table):
+    """kl_by_position rows: per checkpoint and distance, bytes and mean / median / p99 / max KL."""
+    grouped = table.groupby(["checkpoint", "distance"])["kl"]
+    out = grouped.agg(bytes="count", kl_mean="mean", kl_median="median",
+                      kl_max="max").reset_index()
+    out["kl_p99"] = grouped.quantile(0.99).to_numpy()
+    return out
+
+
+# ---- n-gram baselines ---------------------------------------------------------------------
+
+def ngram_nll(train: np.ndarray, targets: np.ndarray, previous: np.ndarray,
+              ks: tuple = (1e-3, 1e-2, 0.1, 1.0)) -> dict[str, float]:
+    """Mean NLL (nats) of `targets` under a unigram and a bigram model counted on `train`
+    (token ids), each with add-k smoothing, k the best of `ks` on these targets (which favours
+    the baselines). previous: the token before each target."""
+    vocab = _TOK.vocab_size
+    uni = np.bincount(train, minlength=vocab).astype(float)
+    bi = np.zeros((vocab, vocab))
+    np.add.at(bi, (train[:-1], train[1:]), 1.0)
+    best = {}
+    for k in ks:
+        p_uni = (uni + k) / (uni.sum() + k * vocab)
+        p_bi = (bi + k) / (bi.sum(1, keepdims=True) + k * vocab)
+        for name, nll in (("unigram", -np.log(p_uni[targets]).mean()),
+                          ("bigram", -np.log(p_bi[previous, targets]).mean())):
+            if nll < best.get(name, (math.inf,))[0]:
+                best[name] = (float(nll), k)
+    return {"unigram_nll": best["unigram"][0], "unigram_k": best["unigram"][1],
+            "bigram_nll": best["bigram"][0], "bigram_k": best["bigram"][1]}
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+def _stdlib_fraction(checkpoint: str) -> float:
+    """The validation_fraction of a checkpoint's `data=stdlib` (its run's config.yaml); a
+    checkpoint trained on other data is refused: its held-out split is not these files."""
+    from .divergence import checkpoint_data
+    data = checkpoint_data(checkpoint)
+    if not isinstance(data, dict) or data.get("kind") != "stdlib":
+        kind = data.get("kind") if isinstance(data, dict) else data
+        raise ValueError(f"--checkpoint {checkpoint}: trained on data kind {kind!r}; the "
+                         "real-text evaluation reads the held-out files of data=stdlib")
+    return float(data.get("validation_fraction", 0.05))
+
+
+def score_checkpoint(checkpoint: str, replays: list[str], continuation: str, passes: int,
+                     context: int, row_len: int, dtype: torch.dtype, batch_size: int,
+                     max_files: int | None = None):
+    """One checkpoint's token table (with checkpoint, job, seed, W, R_exact columns) and its
+    resolved replay lengths {form: N}."""
+    from .findings import _checkpoint_label
+    fraction = _stdlib_fraction(checkpoint)
+    model = load_model(checkpoint).to(dtype).eval()
+    cfg = model.cfg
+    if not cfg.has_decoder:
+        raise ValueError(f"--checkpoint {checkpoint}: variant {cfg.variant!r} has no decoder "
+                         "to replay")
+    r_exact = exact_replay_length(cfg)
+    lengths = {form: replay_length(cfg, parse_replay_form(form, "--replays"), name="--replays")
+               for form in replays}
+    g = replay_length(cfg, parse_replay_form(continuation, "--continuation"),
+                      name="--continuation")
+    files = validation_files(fraction)[:max_files]
+    rows = build_rows([data for _, data in files], min(row_len, cfg.max_seq_len), context)
+    t0 = time.time()
+    scores = score(model, rows, r_exact + g, passes, batch_size)
+    table = token_table(scores, rows, [name for name, _ in files],
+                        [annotate(data) for _, data in files], cfg.window)
+    job, seed = _checkpoint_label(checkpoint)
+    table.insert(0, "checkpoint", str(checkpoint))
+    table.insert(1, "job", job)
+    table.insert(2, "seed", seed)
+    table["W"], table["R_exact"] = cfg.window, r_exact
+    print(f"[real_text] {checkpoint}: {len(files)} files, {rows.ids.shape[0]} rows, "
+          f"{len(table)} byte readings in {time.time() - t0:.0f}s", flush=True)
+    return table, lengths, g
+
+
+def baselines(files: list[bytes], fraction: float, rows: Rows) -> dict[str, float]:
+    """Unigram and bigram NLL on the scored bytes of `rows`, counted on the train split."""
+    from ced.data.corpora import stdlib_streams
+    train = stdlib_streams(fraction)["train"].numpy().astype(np.int64)
+    targets = torch.cat([rows.ids[:, 1:], rows.ids[:, -1:]], 1)[rows.scored].numpy()
+    previous = rows.ids[rows.scored].numpy()
+    return ngram_nll(train, targets, previous)
+
+
+def run(checkpoints: list[str], out: Path, replays: list[str], continuation: str = "W",
+        passes: int = 4, context: int = 128, row_len: int = 512, dtype: str = "float32",
+        batch_size: int = 8, resamples: int = 1000, max_files: int | None = None) -> dict:
+    """Score every checkpoint, write the tables and plots into `out`; returns their paths."""
+    import pandas as pd
+    torch_dtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
+    for form in replays:                    # every argument, before the first model costs minutes
+        parse_replay_form(form, "--replays")
+    parse_replay_form(continuation, "--continuation")
+    for checkpoint in checkpoints:
+        _stdlib_fraction(checkpoint)
+    tables, forms = [], {}
+    for checkpoint in checkpoints:
+        table, lengths, g = score_checkpoint(checkpoint, replays, continuation, passes,
+                                             context, row_len, torch_dtype, batch_size,
+                                             max_files)
+        tables.append(table)
+        forms[checkpoint] = (lengths, g)
+    out.mkdir(parents=True, exist_ok=True)
+    table = pd.concat(tables, ignore_index=True)
+    table.to_parquet(out / "tokens.parquet", index=False)
+    written = {"tokens": out / "tokens.parquet"}
+    position = by_position(table)
+    position.to_csv(out / "kl_by_position.csv", index=False)
+    written["kl_by_position"] = out / "kl_by_position.csv"
+    classes = _class_tables(table, forms, replays, resamples)
+    classes.to_csv(out / "kl_by_class.csv", index=False)
+    written["kl_by_class"] = out / "kl_by_class.csv"
+    written["baselines"] = _write_baselines(table, checkpoints, out, context, row_len,
+                                            max_files)
+    written |= _write_figures(position, table, classes, out)
+    (out / "settings.json").write_text(json.dumps({
+        "checkpoints": checkpoints, "replays": replays, "continuation": continuation,
+        "passes": passes, "context": context, "row_len": row_len, "dtype": dtype,
+        "resamples": resamples, "max_files": max_files}, indent=1))
+    return written
+
+
+def _write_figures(position, table, classes, out: Path) -> dict[str, Path]:
+    from . import plots
+    geometry = table.groupby("job")[["W", "R_exact"]].first()
+    marks = {job: {"W": int(r.W), "R_exact": int(r.R_exact)} for job, r in geometry.iterrows()}
+    jobs = table.groupby("checkpoint")["job"].first()
+    figures = {"kl_by_position_png": plots.real_text_position_figure(
+                   position.assign(job=position["checkpoint"].map(jobs)), marks),
+               "kl_by_class_png": plots.real_text_class_figure(classes)}
+    written = {}
+    for name, fig in figures.items():
+        if fig is not None:
+            written[name] = plots.save(fig, out / f"{name[:-4]}.png")
+    return written
+
+
+def _class_tables(table, forms: dict, replays: list[str], resamples: int):
+    """kl_by_class: per checkpoint (example-level CIs) and per job (seed-level CIs)."""
+    import pandas as pd
+    parts = []
+    for checkpoint, unit in table.groupby("checkpoint"):
+        lengths, g = forms[checkpoint]
+        part = by_class(unit, lengths, g, "checkpoint", resamples)
+        part.insert(1, "job", unit["job"].iloc[0])
+        part.insert(2, "level", "model")
+        parts.append(part)
+    for job, unit in table.groupby("job"):
+        # a job's models share their geometry (one config, several seeds)
+        lengths, g = forms[unit["checkpoint"].iloc[0]]
+        part = by_class(unit, lengths, g, "job", resamples).rename(columns={"job": "checkpoint"})
+        part["checkpoint"] = "pooled"
+        part.insert(1, "job", job)
+        part.insert(2, "level", "seeds")
+        parts.append(part)
+    return pd.concat(parts, ignore_index=True)
+
+
+def _write_baselines(table, checkpoints: list[str], out: Path, context: int, row_len: int,
+                     max_files: int | None) -> Path:
+    """baselines.csv: the n-gram baselines and each model's exact NLL on the same bytes."""
+    import pandas as pd
+    fraction = _stdlib_fraction(checkpoints[0])
+    files = validation_files(fraction)[:max_files]
+    rows = build_rows([data for _, data in files], row_len, context)
+    base = baselines([d for _, d in files], fraction, rows)
+    first = table[table["pass"] == 0]
+    exact = first.groupby(["checkpoint", "job", "seed"])["nll_exact"].agg(
+        ["mean", "count"]).reset_index().rename(columns={"mean": "nll_exact",
+                                                         "count": "bytes"})
+    for key, value in base.items():
+        exact[key] = value
+    exact.to_csv(out / "baselines.csv", index=False)
+    return out / "baselines.csv"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m evals.real_text", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", nargs="+", required=True,
+                   help="trained model directories (final/) of data=stdlib runs")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--replays", nargs="+", default=list(DEFAULT_REPLAYS),
+                   help="replay lengths N: ints or forms W, W/2, 2W, R_exact (per model)")
+    p.add_argument("--continuation", default="W",
+                   help="G: the bytes read after each replayed prompt (int or W form)")
+    p.add_argument("--passes", type=int, default=4,
+                   help="readings per byte, at replay starts shifted by (R_exact + G) / P")
+    p.add_argument("--context", type=int, default=128,
+                   help="bytes of a file every scored byte has before it")
+    p.add_argument("--row-len", type=int, default=512)
+    p.add_argument("--max-files", type=int, default=None,
+                   help="only the first K validation files (a quick look)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.passes < 1:
+        print("error: --passes must be >= 1", file=sys.stderr)
+        return 2
+    from .findings import list_written
+    return list_written("real_text", lambda: run(
+        args.checkpoint, Path(args.out), args.replays, args.continuation, args.passes,
+        args.context, args.row_len, args.dtype, args.batch_size, args.bootstrap,
+        args.max_files), errors=(ValueError, CheckpointError, FileNotFoundError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

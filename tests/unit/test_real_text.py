@@ -1,0 +1,205 @@
+"""The real-text evaluation (evals.real_text, evals.code_tokens): its one-forward read of every
+replay equals the engine's, the token classes on a hand-checked file, the rows score every byte
+once, the cluster bootstrap against hand-computed cases, the n-gram baselines against direct
+counts; and the CLI end to end on a model saved with a data=stdlib config."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ced import InferenceEngine, exact_replay_length
+from ced.checkpoint import save_model
+from evals import real_text
+from evals.code_tokens import annotate, classify, group_of
+from evals.modes import Mode, mode_logits
+from tests.conftest import make_model, tiny_config
+
+SOURCE = b'''import os
+
+def f(alpha, beta):
+    x = (alpha +
+         beta)
+    if x:
+        return [x,
+                os.sep]
+    y = x
+    return y
+
+class C:
+    def g(self):
+        return f(1, 2)
+z = alpha = f
+'''
+
+
+def _at(text: bytes, needle: bytes, occurrence: int = 0) -> int:
+    index = -1
+    for _ in range(occurrence + 1):
+        index = text.index(needle, index + 1)
+    return index
+
+
+def test_annotation_of_a_hand_checked_file():
+    ann = annotate(SOURCE)
+    # a name's bytes carry the gap to its latest earlier occurrence; keywords are no names
+    second_alpha = _at(SOURCE, b"alpha", 1)
+    assert (ann.name_gap[second_alpha:second_alpha + 5] == second_alpha - _at(SOURCE, b"alpha")).all()
+    assert ann.name_gap[_at(SOURCE, b"alpha")] == -1                 # first occurrence
+    assert ann.name_gap[_at(SOURCE, b"def")] == -2                   # keyword
+    last_alpha = _at(SOURCE, b"alpha", 2)
+    assert ann.name_gap[last_alpha] == last_alpha - second_alpha
+    # brackets pair with their openers
+    close = _at(SOURCE, b"beta)\n") + 4
+    assert ann.closer_kind[close] == 1 and ann.opener[close] == _at(SOURCE, b"(alpha +")
+    square = _at(SOURCE, b"sep]") + 3
+    assert ann.opener[square] == _at(SOURCE, b"[x,")
+    # a dedent marks the dedented line's first byte; its opener is the header of the
+    # outermost block it closes (the line whose indentation it takes)
+    y = _at(SOURCE, b"y = x")
+    assert ann.closer_kind[y] == 2 and ann.opener[y] == _at(SOURCE, b"if x:")
+    z = _at(SOURCE, b"z = ")
+    assert ann.closer_kind[z] == 2 and ann.opener[z] == _at(SOURCE, b"class C")
+    assert ann.closer_kind[_at(SOURCE, b"class C")] == 2           # closes def f
+    assert ann.opener[_at(SOURCE, b"class C")] == _at(SOURCE, b"def f")
+    assert annotate(b"def f(:\n  )\n x = (") is None                 # tokenize refuses it
+
+
+def test_classes_follow_the_window_and_the_replay_start():
+    ann = annotate(SOURCE)
+    second_alpha = _at(SOURCE, b"alpha", 1)
+    gap = second_alpha - _at(SOURCE, b"alpha")
+    close = _at(SOURCE, b"beta)\n") + 4
+    opener = ann.opener[close]
+    positions = np.array([second_alpha, second_alpha, close, close, 0])
+    got = classify(ann, positions, np.array([0, 0, opener, opener + 1, 0]),
+                   np.array([gap, gap - 1, 4, 4, 4])[0])
+    # window = gap: not farther than W -> near
+    assert list(got) == ["identifier_near", "identifier_near", "closer_in_replay",
+                         "closer_before_replay", "other"]
+    assert classify(ann, np.array([second_alpha]), 0, gap - 1)[0] == "identifier_far"
+    assert [group_of(c) for c in ("identifier_far", "identifier_near", "closer_in_replay",
+                                  "closer_before_replay", "other")] == [
+        "identifier_far", "other", "other", "closer_before_replay", "other"]
+    with pytest.raises(ValueError, match="not one of"):
+        group_of("bracket")
+
+
+@pytest.mark.parametrize("row_len,context", [(16, 3), (9, 0), (32, 30)])
+def test_rows_score_every_byte_once(row_len, context):
+    files = [bytes(range(65, 65 + n)) for n in (1, 5, 17, 40, 100)]
+    rows = real_text.build_rows(files, row_len, context)
+    seen = {}
+    for r in range(rows.ids.shape[0]):
+        f, offset = int(rows.file[r]), int(rows.offset[r])
+        for i in rows.scored[r].nonzero()[:, 0].tolist():
+            byte = offset + i                        # stream offset i + 1 -> file byte
+            assert i >= context
+            assert int(rows.ids[r, i + 1]) == files[f][byte] if i + 1 < row_len else True
+            assert (f, byte) not in seen
+            seen[(f, byte)] = True
+    want = {(f, b) for f, data in enumerate(files) for b in range(context, len(data))}
+    assert set(seen) == want
+
+
+def test_distances_from_the_latest_start():
+    starts = real_text.replay_starts(12, 5, 2)
+    assert starts.tolist() == [2, 7]
+    # position i predicts byte i + 1; distance from the latest start s <= i
+    assert real_text.distances(12, starts).tolist() == [0, 0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_forward_reads_every_replay_as_the_engine_does(seed):
+    """Each scored byte's KL and NLLs equal those of the engine's prefill with replay
+    N = distance - g, followed by g teacher-forced decode steps (float64, 1e-9)."""
+    cfg = tiny_config(n_decoder_layers=2, window=4, topk=4, max_seq_len=64, vocab_size=259)
+    model = make_model(cfg, seed)
+    gen = torch.Generator().manual_seed(seed)
+    files = [bytes(torch.randint(97, 123, (n,), generator=gen).tolist()) for n in (50, 70)]
+    rows = real_text.build_rows(files, 40, 8)
+    period = exact_replay_length(cfg) + 3
+    scores = real_text.score(model, rows, period, passes=2, batch_size=3)
+    engine = InferenceEngine(model)
+    picks = np.random.default_rng(seed).choice(len(scores["kl"]), 12, replace=False)
+    for k in picks:
+        r, i, d = int(scores["row"][k]), int(scores["position"][k]), int(scores["distance"][k])
+        ids = rows.ids[r:r + 1]
+        for g in {0, d - 1}:                        # replay N = d - g, then g decode steps
+            n, t = d - g, i + 1 - g                 # the prompt ends at position t - 1
+            context, continuation = ids[:, :t], ids[:, t:i + 2]
+            exact = mode_logits(engine, context, continuation, Mode("full"))[:, g]
+            approx = mode_logits(engine, context, continuation,
+                                 Mode(f"replay={n}", replay=n))[:, g]
+            lp_e, lp_a = torch.log_softmax(exact, -1), torch.log_softmax(approx, -1)
+            kl = float((lp_e.exp() * (lp_e - lp_a)).sum())
+            target = int(ids[0, i + 1])
+            assert abs(kl - scores["kl"][k]) < 1e-9
+            assert abs(-float(lp_e[0, target]) - scores["nll_exact"][k]) < 1e-9
+            assert abs(-float(lp_a[0, target]) - scores["nll_replay"][k]) < 1e-9
+    # beyond R_exact a replay is exact
+    far = scores["distance"] >= exact_replay_length(cfg)
+    assert far.any() and np.abs(scores["kl"][far]).max() < 1e-12
+
+
+def test_cluster_bootstrap_hand_cases():
+    # one model, every file the same mean: no spread
+    low, high = real_text.cluster_bootstrap([[[2.0, 4], [1.0, 2], [3.0, 6]]], resamples=200)
+    assert low == pytest.approx(0.5) and high == pytest.approx(0.5)
+    # one model, two one-token files 0 and 1: replicates are 0, 1/2, 1 with 1/4, 1/2, 1/4
+    rng_low, rng_high = real_text.cluster_bootstrap([[[0.0, 1], [1.0, 1]]], resamples=4000,
+                                                    confidence=0.4)
+    assert (rng_low, rng_high) == (0.5, 0.5)
+    # two models whose files agree within a model: the interval spans the two model means
+    low, high = real_text.cluster_bootstrap([[[0.0, 2], [0.0, 3]], [[4.0, 2], [2.0, 1]]],
+                                            resamples=4000)
+    assert low == pytest.approx(0.0) and high == pytest.approx(2.0)
+    assert all(math.isnan(v) for v in real_text.cluster_bootstrap([[[0.0, 0]]]))
+
+
+def test_ngram_baselines_against_direct_counts():
+    train = np.array([1, 2, 1, 2, 1, 3, 1, 2], dtype=np.int64)
+    targets, previous = np.array([2, 3]), np.array([1, 1])
+    got = real_text.ngram_nll(train, targets, previous, ks=(1.0,))
+    vocab = real_text._TOK.vocab_size
+    p2, p3 = (3 + 1) / (8 + vocab), (1 + 1) / (8 + vocab)     # 2 thrice, 3 once in 8
+    assert got["unigram_nll"] == pytest.approx(-(math.log(p2) + math.log(p3)) / 2)
+    # after 1: 2 three times, 3 once, out of 4
+    b2, b3 = (3 + 1) / (4 + vocab), (1 + 1) / (4 + vocab)
+    assert got["bigram_nll"] == pytest.approx(-(math.log(b2) + math.log(b3)) / 2)
+    best = real_text.ngram_nll(train, targets, previous)
+    assert best["bigram_nll"] <= got["bigram_nll"]
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    """A model saved with a data=stdlib run config: every table and plot is written, replay
+    R_exact reads zero KL, and a model trained on other data is refused naming the flag."""
+    cfg = tiny_config(n_decoder_layers=2, window=4, topk=4, max_seq_len=64, vocab_size=259)
+    run = tmp_path / "runs" / "job" / "seed0"
+    save_model(make_model(cfg, 0).float(), run / "final")
+    (run / "config.yaml").write_text("data:\n  kind: stdlib\n  validation_fraction: 0.05\n")
+    out = tmp_path / "out"
+    code = real_text.main(["--checkpoint", str(run / "final"), "--out", str(out),
+                           "--max-files", "2", "--row-len", "64", "--context", "16",
+                           "--bootstrap", "50", "--dtype", "float64"])
+    assert code == 0, capsys.readouterr().err
+    for name in ("tokens.parquet", "kl_by_position.csv", "kl_by_class.csv", "baselines.csv",
+                 "kl_by_position.png", "kl_by_class.png", "settings.json"):
+        assert (out / name).exists(), name
+    import pandas as pd
+    classes = pd.read_csv(out / "kl_by_class.csv")
+    exact = classes[(classes["replay"] == "R_exact") & (classes["group"] == "all")]
+    assert len(exact) == 2 and (exact["kl_max"] < 1e-12).all()      # the model and pooled row
+    n1 = classes[(classes["replay"] == "1") & (classes["group"] == "all")]
+    assert (n1["kl_mean"] > 1e-6).all()                               # a random model drifts
+    assert set(classes["level"]) == {"model", "seeds"}
+    base = pd.read_csv(out / "baselines.csv")
+    assert base["bigram_nll"].iloc[0] < base["unigram_nll"].iloc[0] < math.log(259)
+    assert json.loads((out / "settings.json").read_text())["max_files"] == 2
+    (run / "config.yaml").write_text("data:\n  kind: synthetic\n")
+    assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "x")]) == 2
+    assert "data kind 'synthetic'" in capsys.readouterr().err
