@@ -549,7 +549,11 @@ def real_text_position_figure(position: pd.DataFrame, marks: Mapping[str, Mappin
         for name, style in (("W", "--"), ("R_exact", "-.")):
             if job in marks and marks[job].get(name):
                 ax.axvline(marks[job][name], color="0.5", ls=style, lw=0.8)
-        ax.set_yscale("log")
+        if (position[position["job"] == job]["kl_mean"] > 0).any():
+            ax.set_yscale("log")
+        else:          # an exact early exit (yoco): every KL is zero
+            ax.text(0.5, 0.5, "KL = 0 at every distance", transform=ax.transAxes,
+                    ha="center", fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{job} (W, R_exact dashed)", fontsize=9)
         ax.set_xlabel("distance from the replay start (bytes)")
@@ -570,12 +574,12 @@ def real_text_class_figure(classes: pd.DataFrame) -> Figure | None:
         rows = pooled[pooled["job"] == job]
         for k, (group, part) in enumerate(rows.groupby("group")):
             part = part.sort_values("N")
-            floor = 1e-12
-            ax.errorbar(part["N"], part["kl_mean"].clip(lower=floor),
+            ax.errorbar(part["N"], part["kl_mean"],
                         yerr=[(part["kl_mean"] - part["kl_ci_low"]).clip(lower=0),
                               (part["kl_ci_high"] - part["kl_mean"]).clip(lower=0)],
                         color=f"C{k}", marker="o", ms=3, lw=1, capsize=2, label=group)
-        ax.set_yscale("log")
+        if (rows["kl_mean"] > 0).any():
+            ax.set_yscale("log")
         _log2_if_wide(ax, rows["N"])
         ax.set_title(f"{job}: the G bytes after a replay of N", fontsize=9)
         ax.set_xlabel("replay length N (bytes)")

@@ -35,9 +35,11 @@ Writes into --out:
                      max KL, NLL exact and replay, delta perplexity, with a 95% CI over files
                      (cluster bootstrap: the files are the examples), and per job pooled over
                      checkpoints with the seed-level CI (models, then files within a model)
-  baselines.csv      unigram and bigram NLL on the same validation bytes (counts from the train
-                     split; add-k smoothing with k chosen on the validation bytes themselves,
-                     which favours the baselines) beside each model's exact NLL
+  baselines.csv      per checkpoint (every variant: a model without a decoder is read only
+                     here) its parameters and exact NLL on the scored bytes, beside the unigram
+                     and bigram NLL on the same bytes (counts from the train split; add-k
+                     smoothing with k chosen on the validation bytes themselves, which favours
+                     the baselines)
   kl_by_position.png, kl_by_class.png
 """
 
@@ -319,40 +321,56 @@ def _stdlib_fraction(checkpoint: str) -> float:
     return float(data.get("validation_fraction", 0.05))
 
 
+@torch.no_grad()
+def exact_nll(model, rows: Rows, batch_size: int = 8) -> np.ndarray:
+    """NLL of every scored byte under the full forward, in the order of `rows.scored`."""
+    out = []
+    for b0 in range(0, rows.ids.shape[0], batch_size):
+        ids = rows.ids[b0:b0 + batch_size]
+        targets = torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), _TOK.pad)], 1)
+        lp = torch.log_softmax(model(ids).double(), -1)
+        out.append(-lp.gather(-1, targets[..., None])[..., 0][rows.scored[b0:b0 + batch_size]])
+    return torch.cat(out).numpy()
+
+
 def score_checkpoint(checkpoint: str, replays: list[str], continuation: str, passes: int,
                      context: int, row_len: int, dtype: torch.dtype, batch_size: int,
                      max_files: int | None = None):
-    """One checkpoint's token table (with checkpoint, job, seed, W, R_exact columns) and its
-    resolved replay lengths {form: N}."""
+    """One checkpoint: (its token table with checkpoint, job, seed, W and R_exact columns, or
+    None for a model without a decoder; {form: N}; G; {its exact NLL and byte count})."""
     from .findings import _checkpoint_label
     fraction = _stdlib_fraction(checkpoint)
     model = load_model(checkpoint).to(dtype).eval()
     cfg = model.cfg
-    if not cfg.has_decoder:
-        raise ValueError(f"--checkpoint {checkpoint}: variant {cfg.variant!r} has no decoder "
-                         "to replay")
+    files = validation_files(fraction)[:max_files]
+    rows = build_rows([data for _, data in files], min(row_len, cfg.max_seq_len), context)
+    job, seed = _checkpoint_label(checkpoint)
+    label = {"checkpoint": str(checkpoint), "job": job, "seed": seed, "variant": cfg.variant,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    t0 = time.time()
+    if not cfg.has_decoder:        # nothing to replay: its exact NLL, for the baselines table
+        nll = exact_nll(model, rows, batch_size)
+        print(f"[real_text] {checkpoint}: {cfg.variant}, exact NLL {nll.mean():.4f} on "
+              f"{len(nll)} bytes in {time.time() - t0:.0f}s", flush=True)
+        return None, {}, 0, {**label, "nll_exact": float(nll.mean()), "bytes": len(nll)}
     r_exact = exact_replay_length(cfg)
     lengths = {form: replay_length(cfg, parse_replay_form(form, "--replays"), name="--replays")
                for form in replays}
     g = replay_length(cfg, parse_replay_form(continuation, "--continuation"),
                       name="--continuation")
-    files = validation_files(fraction)[:max_files]
-    rows = build_rows([data for _, data in files], min(row_len, cfg.max_seq_len), context)
-    t0 = time.time()
     scores = score(model, rows, r_exact + g, passes, batch_size)
     table = token_table(scores, rows, [name for name, _ in files],
                         [annotate(data) for _, data in files], cfg.window)
-    job, seed = _checkpoint_label(checkpoint)
-    table.insert(0, "checkpoint", str(checkpoint))
-    table.insert(1, "job", job)
-    table.insert(2, "seed", seed)
+    for k, (key, value) in enumerate(list(label.items())[:3]):
+        table.insert(k, key, value)
     table["W"], table["R_exact"] = cfg.window, r_exact
+    first = table[table["pass"] == 0]["nll_exact"]
     print(f"[real_text] {checkpoint}: {len(files)} files, {rows.ids.shape[0]} rows, "
           f"{len(table)} byte readings in {time.time() - t0:.0f}s", flush=True)
-    return table, lengths, g
+    return table, lengths, g, {**label, "nll_exact": float(first.mean()), "bytes": len(first)}
 
 
-def baselines(files: list[bytes], fraction: float, rows: Rows) -> dict[str, float]:
+def baselines(fraction: float, rows: Rows) -> dict[str, float]:
     """Unigram and bigram NLL on the scored bytes of `rows`, counted on the train split."""
     from ced.data.corpora import stdlib_streams
     train = stdlib_streams(fraction)["train"].numpy().astype(np.int64)
@@ -370,33 +388,46 @@ def run(checkpoints: list[str], out: Path, replays: list[str], continuation: str
     for form in replays:                    # every argument, before the first model costs minutes
         parse_replay_form(form, "--replays")
     parse_replay_form(continuation, "--continuation")
+    fractions = {_stdlib_fraction(checkpoint) for checkpoint in checkpoints}
+    if len(fractions) != 1:
+        raise ValueError(f"--checkpoint: the models hold out different stdlib splits "
+                         f"(validation_fraction {sorted(fractions)}); read them apart")
+    tables, forms, models = [], {}, []
     for checkpoint in checkpoints:
-        _stdlib_fraction(checkpoint)
-    tables, forms = [], {}
-    for checkpoint in checkpoints:
-        table, lengths, g = score_checkpoint(checkpoint, replays, continuation, passes,
-                                             context, row_len, torch_dtype, batch_size,
-                                             max_files)
-        tables.append(table)
-        forms[checkpoint] = (lengths, g)
+        table, lengths, g, nll = score_checkpoint(checkpoint, replays, continuation, passes,
+                                                  context, row_len, torch_dtype, batch_size,
+                                                  max_files)
+        models.append(nll)
+        if table is not None:
+            tables.append(table)
+            forms[checkpoint] = (lengths, g)
     out.mkdir(parents=True, exist_ok=True)
-    table = pd.concat(tables, ignore_index=True)
-    table.to_parquet(out / "tokens.parquet", index=False)
-    written = {"tokens": out / "tokens.parquet"}
-    position = by_position(table)
-    position.to_csv(out / "kl_by_position.csv", index=False)
-    written["kl_by_position"] = out / "kl_by_position.csv"
-    classes = _class_tables(table, forms, replays, resamples)
-    classes.to_csv(out / "kl_by_class.csv", index=False)
-    written["kl_by_class"] = out / "kl_by_class.csv"
-    written["baselines"] = _write_baselines(table, checkpoints, out, context, row_len,
-                                            max_files)
-    written |= _write_figures(position, table, classes, out)
+    fraction = fractions.pop()
+    files = validation_files(fraction)[:max_files]
+    # every byte at least `context` in is scored once whatever the row length: the same bytes
+    base = baselines(fraction, build_rows([d for _, d in files], row_len, context))
+    pd.DataFrame([{**m, **base} for m in models]).to_csv(out / "baselines.csv", index=False)
+    written = {"baselines": out / "baselines.csv"}
+    if tables:
+        written |= _write_tables(pd.concat(tables, ignore_index=True), forms, replays,
+                                 resamples, out)
     (out / "settings.json").write_text(json.dumps({
         "checkpoints": checkpoints, "replays": replays, "continuation": continuation,
         "passes": passes, "context": context, "row_len": row_len, "dtype": dtype,
         "resamples": resamples, "max_files": max_files}, indent=1))
     return written
+
+
+def _write_tables(table, forms: dict, replays: list[str], resamples: int,
+                  out: Path) -> dict[str, Path]:
+    table.to_parquet(out / "tokens.parquet", index=False)
+    position = by_position(table)
+    position.to_csv(out / "kl_by_position.csv", index=False)
+    classes = _class_tables(table, forms, replays, resamples)
+    classes.to_csv(out / "kl_by_class.csv", index=False)
+    return {"tokens": out / "tokens.parquet", "kl_by_position": out / "kl_by_position.csv",
+            "kl_by_class": out / "kl_by_class.csv",
+            **_write_figures(position, table, classes, out)}
 
 
 def _write_figures(position, table, classes, out: Path) -> dict[str, Path]:
@@ -433,24 +464,6 @@ def _class_tables(table, forms: dict, replays: list[str], resamples: int):
         part.insert(2, "level", "seeds")
         parts.append(part)
     return pd.concat(parts, ignore_index=True)
-
-
-def _write_baselines(table, checkpoints: list[str], out: Path, context: int, row_len: int,
-                     max_files: int | None) -> Path:
-    """baselines.csv: the n-gram baselines and each model's exact NLL on the same bytes."""
-    import pandas as pd
-    fraction = _stdlib_fraction(checkpoints[0])
-    files = validation_files(fraction)[:max_files]
-    rows = build_rows([data for _, data in files], row_len, context)
-    base = baselines([d for _, d in files], fraction, rows)
-    first = table[table["pass"] == 0]
-    exact = first.groupby(["checkpoint", "job", "seed"])["nll_exact"].agg(
-        ["mean", "count"]).reset_index().rename(columns={"mean": "nll_exact",
-                                                         "count": "bytes"})
-    for key, value in base.items():
-        exact[key] = value
-    exact.to_csv(out / "baselines.csv", index=False)
-    return out / "baselines.csv"
 
 
 def _parser() -> argparse.ArgumentParser:

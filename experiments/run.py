@@ -20,6 +20,8 @@ job is trained with, and divergence and suite settings. Layout of the study dire
     runs/<job>/seed<k>/        each training run's Hydra directory (metrics.jsonl, final/, wandb/)
     divergence/                evals.divergence over every trained checkpoint with a decoder
     suite/<job>/seed<k>[@topk=K]/   evals.suites per checkpoint (and eval-time top-k override)
+    real_text/                 evals.real_text over every trained checkpoint (data=stdlib
+                               studies: per-byte KL of bounded replay on held-out files)
     logs/<step>.log            the full output of every subprocess
     report/                    report.md, report.html, PNG plots (evals.report)
     summary.json               the status of every step (ok / skipped / reused / failed /
@@ -553,6 +555,42 @@ class Study:
             print(f"[study] divergence: FAILED (exit {code}); continuing", flush=True)
             self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
 
+    # real text
+    def real_text(self) -> None:
+        """`python -m evals.real_text` over every trained checkpoint of the study (every job,
+        as the divergence step): one invocation, rerun when a checkpoint or a setting changes."""
+        spec, key = self.spec.real_text, "real_text"
+        if spec is None:
+            return
+        checkpoints = self.checkpoints(all_jobs=True)
+        if not checkpoints:
+            self.record(key, "skipped", reason="no trained checkpoint")
+            return
+        out = self.out / "real_text"
+        args = ["--replays", *map(str, spec.replays), "--continuation", str(spec.continuation),
+                "--passes", str(spec.passes), "--context", str(spec.context),
+                "--row-len", str(spec.row_len), "--dtype", spec.dtype,
+                "--bootstrap", str(spec.bootstrap),
+                *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
+        paths = sorted(str(p) for p, _ in checkpoints.values())
+        digest = config_hash({"args": args, "trained": sorted(h for _, h in checkpoints.values())})
+        if self._fresh("real_text", out, out / "baselines.csv", digest):
+            self.record(key, "skipped", out=str(out), hash=digest)
+            return
+        (out / STAMP).unlink(missing_ok=True)
+        banner(f"real text: {len(paths)} checkpoints, N={list(spec.replays)}")
+        t0 = time.time()
+        code, tail = stream([sys.executable, "-m", "evals.real_text", "--checkpoint", *paths,
+                             "--out", str(out), *args],
+                            self.out / "logs" / "real_text.log", self.env)
+        secs = round(time.time() - t0, 1)
+        if code == 0 and (out / "baselines.csv").exists():
+            _write_stamp(out, {"hash": digest, "checkpoints": paths})
+            self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
+        else:
+            print(f"[study] real_text: FAILED (exit {code}); continuing", flush=True)
+            self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
+
     # suite
     def suite(self) -> None:
         spec = self.spec.suite
@@ -668,6 +706,7 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     if opts.only in ("all", "eval"):
         study.divergence()
         study.suite()
+        study.real_text()
     path = None
     if opts.only in ("all", "report"):
         path = study.report()

@@ -64,13 +64,31 @@ class SuiteSpec:
 
 
 @dataclass
+class RealTextSpec:
+    """`python -m evals.real_text` options, run over every trained checkpoint of the study
+    (they must be trained on data=stdlib): replay lengths N and the continuation G as ints or
+    W forms (resolved per model), readings per byte, context, row length, files, resamples."""
+
+    replays: List[Any] = field(default_factory=lambda: ["1", "W/2", "W", "2W", "R_exact"])
+    continuation: Any = "W"
+    passes: int = 4
+    context: int = 128
+    row_len: int = 512
+    max_files: Optional[int] = None     # null: every validation file
+    dtype: str = "float32"
+    bootstrap: int = 1000
+
+
+@dataclass
 class ScaleSpec:
-    """Extra settings of one scale: `train` overrides appended to the study's, `divergence`
-    and `suite` keys replacing the study's, and `seeds` (if set) replacing the study's."""
+    """Extra settings of one scale: `train` overrides appended to the study's, `divergence`,
+    `suite` and `real_text` keys replacing the study's, and `seeds` (if set) replacing the
+    study's."""
 
     train: List[str] = field(default_factory=list)
     divergence: Dict[str, Any] = field(default_factory=dict)
     suite: Dict[str, Any] = field(default_factory=dict)
+    real_text: Dict[str, Any] = field(default_factory=dict)
     seeds: Optional[List[int]] = None   # replaces the study's seeds at this scale
 
 
@@ -90,6 +108,7 @@ class StudyConfig:
     jobs: List[JobSpec] = MISSING
     divergence: Optional[Dict[str, Any]] = None     # evals.divergence.DivergenceConfig keys
     suite: Optional[SuiteSpec] = None
+    real_text: Optional[RealTextSpec] = None
     scales: Dict[str, ScaleSpec] = field(default_factory=dict)
     scale: str = "demo"             # set by the loader: the scale applied
 
@@ -128,7 +147,8 @@ def _check_keys(node: Any, schema: Any, where: str) -> None:
                 _check_keys(item, cls, f"{where}{key}.{name}.")
 
 
-_NESTED = {"JobSpec": JobSpec, "SuiteSpec": SuiteSpec, "ScaleSpec": ScaleSpec}
+_NESTED = {"JobSpec": JobSpec, "SuiteSpec": SuiteSpec, "ScaleSpec": ScaleSpec,
+           "RealTextSpec": RealTextSpec}
 
 
 def _dataclass_of(annotation: Any) -> tuple[str, type] | None:
@@ -190,6 +210,8 @@ def _read_study(path: Path, where: str) -> StudyConfig:
         for scale_name, extra in (raw.get("scales") or {}).items():
             _check_divergence((extra or {}).get("divergence"), f"scales.{scale_name}.divergence.")
             _check_keys((extra or {}).get("suite") or {}, SuiteSpec, f"scales.{scale_name}.suite.")
+            _check_keys((extra or {}).get("real_text") or {}, RealTextSpec,
+                        f"scales.{scale_name}.real_text.")
     except StudyError as exc:
         raise StudyError(where + str(exc)) from None
     raw.setdefault("name", path.stem)
@@ -212,9 +234,9 @@ def _apply_scale(study: StudyConfig, scale: str, seeds: list[int] | None, where:
     if study.divergence is not None:
         study.divergence = {**study.divergence, **extra.divergence}
     if study.suite is not None and extra.suite:
-        merged = {**OmegaConf.to_container(OmegaConf.structured(study.suite)), **extra.suite}
-        study.suite = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SuiteSpec),
-                                                          merged))
+        study.suite = _merged(SuiteSpec, study.suite, extra.suite)
+    if study.real_text is not None and extra.real_text:
+        study.real_text = _merged(RealTextSpec, study.real_text, extra.real_text)
     study.scale = scale
     if extra.seeds is not None:
         study.seeds = list(extra.seeds)
@@ -223,6 +245,12 @@ def _apply_scale(study: StudyConfig, scale: str, seeds: list[int] | None, where:
     for job in study.jobs:
         if extra.seeds is not None or seeds is not None:
             job.seeds = None          # a scale's or the driver's seeds replace the job's own
+
+
+def _merged(schema: type, spec: Any, keys: dict) -> Any:
+    """`spec` (a `schema` dataclass) with `keys` replacing its values."""
+    merged = {**OmegaConf.to_container(OmegaConf.structured(spec)), **keys}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), merged))
 
 
 def _check_jobs_and_seeds(study: StudyConfig, seeds: list[int] | None, where: str) -> None:

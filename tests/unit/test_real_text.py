@@ -182,8 +182,13 @@ def test_cli_end_to_end(tmp_path, capsys):
     run = tmp_path / "runs" / "job" / "seed0"
     save_model(make_model(cfg, 0).float(), run / "final")
     (run / "config.yaml").write_text("data:\n  kind: stdlib\n  validation_fraction: 0.05\n")
+    dense = tmp_path / "runs" / "dense" / "seed0"
+    save_model(make_model(tiny_config("dense", max_seq_len=64, vocab_size=259), 0).float(),
+               dense / "final")
+    (dense / "config.yaml").write_text((run / "config.yaml").read_text())
     out = tmp_path / "out"
-    code = real_text.main(["--checkpoint", str(run / "final"), "--out", str(out),
+    code = real_text.main(["--checkpoint", str(run / "final"), str(dense / "final"),
+                           "--out", str(out),
                            "--max-files", "2", "--row-len", "64", "--context", "16",
                            "--bootstrap", "50", "--dtype", "float64"])
     assert code == 0, capsys.readouterr().err
@@ -198,7 +203,10 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert (n1["kl_mean"] > 1e-6).all()                               # a random model drifts
     assert set(classes["level"]) == {"model", "seeds"}
     base = pd.read_csv(out / "baselines.csv")
-    assert base["bigram_nll"].iloc[0] < base["unigram_nll"].iloc[0] < math.log(259)
+    assert list(base["job"]) == ["job", "dense"]          # the dense model is read here only
+    assert (base["bigram_nll"] < base["unigram_nll"]).all()
+    assert (base["unigram_nll"] < math.log(259)).all() and (base["nll_exact"] > 0).all()
+    assert base["bytes"].nunique() == 1                   # the same bytes for every model
     assert json.loads((out / "settings.json").read_text())["max_files"] == 2
     (run / "config.yaml").write_text("data:\n  kind: synthetic\n")
     assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "x")]) == 2

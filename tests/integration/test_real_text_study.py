@@ -1,0 +1,62 @@
+"""The real-text study (conf/experiment/real_text.yaml) end to end at its tiny scale: four
+tiny byte-level models of the stdlib (ced L_d = 2 and 8, yoco, dense) trained for two steps,
+then the real_text step: every table and plot, the baselines for every model, zero KL for the
+exact early exit (yoco) at every distance and for ced at and beyond R_exact; a second run skips
+the step (same inputs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_study(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "experiments.run", "study=real_text",
+                           "scale=tiny", f"out={out}", "threads=1", "wandb=false", *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real_text")
+    return out, run_study(out)
+
+
+def test_the_tiny_study_trains_and_reads_real_text(study):
+    out, first = study
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert steps["real_text"]["state"] == "ok"
+    rt = out / "real_text"
+    for name in ("baselines.csv", "kl_by_class.csv", "kl_by_position.csv", "tokens.parquet",
+                 "kl_by_position.png", "kl_by_class.png"):
+        assert (rt / name).exists(), name
+    base = pd.read_csv(rt / "baselines.csv")
+    assert sorted(base["job"]) == ["ced_L2", "ced_L8", "dense", "yoco"]
+    assert (base["bigram_nll"] < base["unigram_nll"]).all() and (base["parameters"] > 0).all()
+    tokens = pd.read_parquet(rt / "tokens.parquet")
+    assert set(tokens["job"]) == {"ced_L2", "ced_L8", "yoco"}       # dense has no decoder
+    assert tokens[tokens["job"] == "yoco"]["kl"].abs().max() < 1e-5      # exact early exit
+    ced = tokens[tokens["job"] != "yoco"]
+    assert ced[ced["distance"] >= ced["R_exact"]]["kl"].abs().max() < 1e-5
+    assert ced[ced["distance"] == 1]["kl"].mean() > 1e-7
+    assert {"identifier_far", "closer_before_replay", "other"} <= set(tokens["group"])
+    classes = pd.read_csv(rt / "kl_by_class.csv")
+    assert set(classes["replay"].astype(str)) == {"1", "W/2", "W", "2W", "R_exact"}
+
+
+def test_a_second_run_skips_the_step(study):
+    out, _ = study
+    again = run_study(out, "only=eval")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "real_text: done before with the same inputs" in again.stdout
