@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 import keyword
 import tokenize
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,11 +51,14 @@ class Annotation:
                  outside identifiers
     opener[i]    for a closer byte, the byte offset of its opener; -1 elsewhere
     closer_kind[i]  1 closing bracket, 2 dedent, 0 elsewhere
+    levels[i]    for a dedent byte, the indentation widths (bytes) of every block open before
+                 the line: 0 and each open block's, outermost first (the widths it may take)
     """
 
     name_gap: np.ndarray
     opener: np.ndarray
     closer_kind: np.ndarray
+    levels: dict = field(default_factory=dict)
 
 
 def _byte_offsets(source: bytes, encoding: str) -> tuple[list[int], list[str]]:
@@ -91,8 +94,10 @@ def annotate(source: bytes) -> Annotation | None:
     opener = np.full(n, -1, dtype=np.int64)
     closer_kind = np.zeros(n, dtype=np.int64)
     last_seen: dict[str, int] = {}
+    levels: dict[int, tuple[int, ...]] = {}
     brackets: list[tuple[str, int]] = []
     blocks: list[int] = []          # first-token offset of each open block's header line
+    widths: list[int] = []          # ... and the indentation width of its body
     line_first: int | None = None   # first token of the logical line being read
     last_line_first = 0             # ... of the last complete logical line (a header at INDENT)
     for tok in tokens:
@@ -100,11 +105,15 @@ def annotate(source: bytes) -> Annotation | None:
         kind = tok.type
         if kind == tokenize.INDENT:
             blocks.append(last_line_first)
+            widths.append(len(tok.string.encode(encoding, errors="replace")))
         elif kind == tokenize.DEDENT:
             # DEDENTs sit at the dedented line's first token, innermost block first: the last
             # one written is the outermost block closed, whose indentation the line takes
             if blocks:
+                if begin < n and begin not in levels:      # the first DEDENT of the line
+                    levels[begin] = (0, *widths)
                 header = blocks.pop()
+                widths.pop()
                 if begin < n:
                     opener[begin], closer_kind[begin] = header, 2
         elif kind == tokenize.NEWLINE:
@@ -123,7 +132,7 @@ def annotate(source: bytes) -> Annotation | None:
             elif kind == tokenize.OP and tok.string in _CLOSERS:
                 if brackets and brackets[-1][0] == _CLOSERS[tok.string]:
                     opener[begin], closer_kind[begin] = brackets.pop()[1], 1
-    return Annotation(name_gap, opener, closer_kind)
+    return Annotation(name_gap, opener, closer_kind, levels)
 
 
 def classify(ann: Annotation, positions: np.ndarray, replay_start: int | np.ndarray,

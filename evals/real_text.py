@@ -466,6 +466,50 @@ def _class_tables(table, forms: dict, replays: list[str], resamples: int):
     return pd.concat(parts, ignore_index=True)
 
 
+# ---- lm-eval over the code tasks ------------------------------------------------------------
+
+def read_lm_eval(root: Path):
+    """Every lm-eval run under root/<job>/seed<k>/<group>/<mode>/ (mode.txt names the
+    evals.modes string; the samples files come from --log_samples) as suite-style results: job,
+    train_seed, run, mode, family (the task without `ced_`), x (distance bin), id, correct,
+    distance, file."""
+    import pandas as pd
+    rows = []
+    for mode_file in sorted(Path(root).glob("*/seed*/*/*/mode.txt")):
+        run_dir = mode_file.parent
+        job, seed_dir = run_dir.parents[2].name, run_dir.parents[1].name
+        mode = mode_file.read_text().strip()
+        for samples in sorted(run_dir.rglob("samples_*.jsonl")):
+            with open(samples) as handle:
+                for line in handle:
+                    record = json.loads(line)
+                    doc = record["doc"]
+                    rows.append({"job": job, "train_seed": int(seed_dir[4:]),
+                                 "run": f"{job}/{seed_dir}", "mode": mode,
+                                 "family": doc["family"], "x": str(doc["x"]),
+                                 "id": f"{doc['file']}:{doc['byte']}",
+                                 "correct": bool(record["acc"]), "distance": doc["distance"],
+                                 "file": doc["file"]})
+    if not rows:
+        raise FileNotFoundError(f"{root}: no <job>/seed<k>/<group>/<mode>/ lm-eval run with "
+                                "samples")
+    return pd.DataFrame(rows)
+
+
+def write_lm_eval(root: Path, out: Path) -> dict[str, Path]:
+    """lm_eval.csv (every mode against full, paired on documents: the example-level and
+    seed-level CIs, p-values and Holm of `evals.findings.capability_drop_table`) and
+    lm_eval_accuracy.csv (accuracy per job, task, distance bin and mode) from `read_lm_eval`."""
+    from .findings import accuracy_table, capability_drop_table
+    results = read_lm_eval(root)
+    out.mkdir(parents=True, exist_ok=True)
+    accuracy = accuracy_table(results)
+    accuracy.to_csv(out / "lm_eval_accuracy.csv", index=False)
+    drops = capability_drop_table(results)
+    drops.to_csv(out / "lm_eval.csv", index=False)
+    return {"lm_eval": out / "lm_eval.csv", "lm_eval_accuracy": out / "lm_eval_accuracy.csv"}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m evals.real_text", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -236,6 +236,11 @@ def stream(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str
     return code, "\n".join(lines)
 
 
+def mode_slug(mode: str) -> str:
+    """A directory name for an evals.modes string: replay=W/2 -> replay=W_2, commas -> +."""
+    return mode.replace("/", "_").replace(",", "+")
+
+
 def banner(text: str) -> None:
     print(f"\n=== [study] {text} ===", flush=True)
 
@@ -591,6 +596,68 @@ class Study:
             print(f"[study] real_text: FAILED (exit {code}); continuing", flush=True)
             self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
 
+    def lm_eval(self) -> None:
+        """lm-eval's CLI (`python -m evals.lmeval`) over the code tasks, per checkpoint and mode
+        (each a step skipped by hash), then `evals.real_text.write_lm_eval` over all of them."""
+        spec = self.spec.real_text
+        if spec is None or not (spec.lm_eval_modes or spec.lm_eval_turn_modes):
+            return
+        from ced.checkpoint import load_config
+        root = self.out / "real_text" / "lm_eval"
+        for label, (final, trained) in self.checkpoints(all_jobs=True).items():
+            cfg = load_config(final)
+            replays = cfg.has_decoder and not cfg.traits.exact_early_exit
+            tasks = root / label / "tasks"
+            args = ["--examples", str(spec.lm_eval_examples), "--context",
+                    str(spec.lm_eval_context), "--min-distance", str(spec.lm_eval_min_distance),
+                    *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
+            code, tail = stream([sys.executable, "-m", "evals.lmeval", "write-code-tasks",
+                                 "--checkpoint", str(final), "--out", str(tasks), *args],
+                                self.out / "logs" / f"lm_eval_tasks_{label.replace('/', '_')}.log",
+                                self.env)
+            if code != 0:
+                self.record(f"lm_eval/{label}", "failed", returncode=code, tail=tail)
+                continue
+            runs = [(m, "ced_code") for m in (spec.lm_eval_modes if replays else ["full"])]
+            runs += [(m, "ced_code_turn") for m in (spec.lm_eval_turn_modes if replays else [])]
+            for mode, group in runs:
+                self._lm_eval_run(label, final, trained, mode, group, tasks, args,
+                                  root / label / group / mode_slug(mode),
+                                  spec.lm_eval_batch_size)
+        from evals.real_text import write_lm_eval
+        try:
+            written = write_lm_eval(root, self.out / "real_text")
+            self.record("lm_eval", "ok", out=str(written["lm_eval"]))
+        except (FileNotFoundError, ValueError) as exc:
+            self.record("lm_eval", "failed", error=str(exc))
+
+    def _lm_eval_run(self, label: str, final: Path, trained: str, mode: str, group: str,
+                     tasks: Path, task_args: list[str], out: Path, batch_size: int) -> None:
+        key = f"lm_eval/{label}/{group}/{mode}"
+        digest = config_hash({"mode": mode, "group": group, "tasks": task_args,
+                              "batch_size": batch_size, "trained": trained})
+        if self._fresh(key, out, out / "mode.txt", digest):
+            self.record(key, "skipped", out=str(out), hash=digest)
+            return
+        if out.exists():
+            shutil.rmtree(out)
+        model_args = f"checkpoint={final},mode={mode.replace(',', ';')}"
+        cmd = [sys.executable, "-m", "evals.lmeval", "--model", "ced", "--device", "cpu",
+               "--model_args", model_args, "--batch_size", str(batch_size),
+               "--include_path", str(tasks), "--tasks", group, "--log_samples",
+               "--output_path", str(out)]
+        banner(f"lm_eval {label} {mode}: {group}")
+        t0 = time.time()
+        code, tail = stream(cmd, self.out / "logs" / f"{key.replace('/', '_')}.log", self.env)
+        secs = round(time.time() - t0, 1)
+        if code == 0:
+            (out / "mode.txt").write_text(mode + "\n")
+            _write_stamp(out, {"hash": digest, "checkpoint": str(final)})
+            self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
+        else:
+            print(f"[study] {key}: FAILED (exit {code}); continuing", flush=True)
+            self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
+
     # suite
     def suite(self) -> None:
         spec = self.spec.suite
@@ -707,6 +774,7 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
         study.divergence()
         study.suite()
         study.real_text()
+        study.lm_eval()
     path = None
     if opts.only in ("all", "report"):
         path = study.report()

@@ -77,6 +77,17 @@ class RealTextSpec:
     max_files: Optional[int] = None     # null: every validation file
     dtype: str = "float32"
     bootstrap: int = 1000
+    # lm-eval over the code tasks (evals.lmeval.code_tasks) per checkpoint and mode: the group
+    # ced_code under each of `lm_eval_modes` (evals.modes strings; full is the reference), and
+    # ced_code_turn under each of `lm_eval_turn_modes`; a model without a decoder, or with an
+    # exact early exit (yoco), is read at full only. Empty lists: no lm-eval step.
+    lm_eval_modes: List[str] = field(default_factory=lambda: [
+        "full", "replay=1", "replay=W/2", "replay=W", "replay=2W"])
+    lm_eval_turn_modes: List[str] = field(default_factory=list)
+    lm_eval_examples: int = 500
+    lm_eval_context: int = 384
+    lm_eval_min_distance: Any = "2W"
+    lm_eval_batch_size: int = 16
 
 
 @dataclass

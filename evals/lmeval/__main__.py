@@ -3,6 +3,7 @@
     python -m evals.lmeval --model ced --model_args checkpoint=/path/final,replay=8 \
         --include_path /tmp/ced_tasks --tasks ced_recall ced_needle
     python -m evals.lmeval write-tasks --checkpoint /path/final --replay 8 --out /tmp/ced_tasks
+    python -m evals.lmeval write-code-tasks --checkpoint /path/final --out /tmp/code_tasks
 
 lm_eval 0.4.13 finds models only in its registry (no entry-point/plugin discovery), and its
 CLI resolves `--model` before it loads task code, so the bare `lm_eval` command cannot see a
@@ -20,12 +21,19 @@ def main() -> None:
     if sys.argv[1:2] == ["write-tasks"]:           # python -m evals.lmeval write-tasks ...
         from evals.lmeval.tasks import main as write_tasks_main
         sys.exit(write_tasks_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["write-code-tasks"]:      # the real-text tasks of held-out files
+        from evals.lmeval.code_tasks import main as write_code_tasks_main
+        sys.exit(write_code_tasks_main(sys.argv[2:]))
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         # lm-eval's own help follows; it cannot know our extra sub-command.
         print("python -m evals.lmeval write-tasks --checkpoint DIR --replay N [N ...] --out DIR "
               "[--examples K] [--families F ...] [--per-point]\n"
               "    writes the edge-case families as lm-eval tasks (ced_<family>, groups "
               "ced_suite and ced_suite_gen); `write-tasks --help` for every option.\n"
+              "python -m evals.lmeval write-code-tasks --checkpoint DIR --out DIR "
+              "[--examples K] [--context B]\n"
+              "    writes tasks from held-out stdlib files (group ced_code; ced_code_turn for "
+              "the multi-turn modes); `write-code-tasks --help`.\n"
               "python -m evals.lmeval --model ced --model_args checkpoint=DIR,replay=N "
               "--include_path DIR --tasks ced_suite\n"
               "    lm-eval's CLI with --model ced registered; its options:\n", flush=True)

@@ -55,6 +55,26 @@ def test_the_tiny_study_trains_and_reads_real_text(study):
     assert set(classes["replay"].astype(str)) == {"1", "W/2", "W", "2W", "R_exact"}
 
 
+def test_the_code_tasks_run_through_lm_eval_for_every_mode(study):
+    """lm-eval ran the group ced_code per model (ced at full and replay=W; yoco and dense at
+    full only); lm_eval.csv pairs every mode with full on the same documents. (The tiny scale
+    runs no turn mode: each lm-eval start costs seconds; tests/integration/test_lm_eval.py
+    reads the turn policies through lm-eval.)"""
+    out, _ = study
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert steps["lm_eval"]["state"] == "ok"
+    runs = sorted(k for k, v in steps.items() if k.startswith("lm_eval/") and v["state"] == "ok")
+    assert len(runs) == 2 * 2 + 2, runs
+    drops = pd.read_csv(out / "real_text" / "lm_eval.csv")
+    assert set(drops["family"]) == {"code_identifier", "code_close", "code_dedent"}
+    assert set(drops["mode"]) == {"replay=W"}
+    assert set(drops["job"]) == {"ced_L2", "ced_L8"}
+    pooled = drops[drops["x"] == "all"]
+    assert (pooled["n"] == 4).all()           # lm_eval_examples: 4 documents per task
+    accuracy = pd.read_csv(out / "real_text" / "lm_eval_accuracy.csv")
+    assert {"yoco", "dense"} <= set(accuracy["job"])
+
+
 def test_a_second_run_skips_the_step(study):
     out, _ = study
     again = run_study(out, "only=eval")

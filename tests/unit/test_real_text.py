@@ -211,3 +211,60 @@ def test_cli_end_to_end(tmp_path, capsys):
     (run / "config.yaml").write_text("data:\n  kind: synthetic\n")
     assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "x")]) == 2
     assert "data kind 'synthetic'" in capsys.readouterr().err
+
+
+# ---- the lm-eval code tasks (evals.lmeval.code_tasks) ---------------------------------------
+
+def test_code_task_points_on_a_hand_checked_file():
+    from evals.lmeval.code_tasks import (close_points, dedent_choices, documents,
+                                         identifier_points, name_runs)
+    ann = annotate(SOURCE)
+    runs = name_runs(ann)
+    assert (_at(SOURCE, b"alpha"), _at(SOURCE, b"alpha") + 5) in runs
+    assert all(SOURCE[b:e].decode().isidentifier() for b, e in runs)
+    # 'alpha' again at 40, 23 bytes after the first: the cut two bytes in lies 25 back
+    second = _at(SOURCE, b"alpha", 1)
+    got = {p["cut"]: p for p in identifier_points(SOURCE, ann, context=30, min_distance=24)}
+    assert got[second + 2] == {"cut": second + 2, "end": second + 5, "distance": 25}
+    assert second + 2 not in {p["cut"] for p in identifier_points(SOURCE, ann, 30, 25)}
+    # the earlier occurrence must lie inside the context
+    assert second + 2 not in {p["cut"] for p in identifier_points(SOURCE, ann, 24, 20)}
+    close = _at(SOURCE, b"beta)\n") + 4
+    brackets = {p["at"]: p for p in close_points(SOURCE, ann, 30, 5, kind=1)}
+    assert brackets[close]["distance"] == close - _at(SOURCE, b"(alpha +")
+    y = _at(SOURCE, b"y = x")
+    dedents = {p["at"]: p for p in close_points(SOURCE, ann, 60, 5, kind=2)}
+    assert dedents[y]["cut"] == y - 4 and dedents[y]["distance"] == y - 4 - _at(SOURCE, b"if x:")
+    # the line after 'os.sep]' (a continuation line indented 16; the block is at 8) returns
+    # to 4: the choices are the open blocks' levels 0, 4, 8 (+ 'y'), not the continuation's
+    assert ann.levels[y] == (0, 4, 8)
+    assert dedent_choices(SOURCE, ann, y) == (["y", "    y", "        y"], 1)
+    assert dedent_choices(SOURCE, ann, _at(SOURCE, b"return [x")) is None   # not a dedent
+    z = _at(SOURCE, b"z = ")
+    assert dedent_choices(SOURCE, ann, z) == (["z", "    z", "        z"], 0)
+    docs = documents([("f.py", SOURCE)], "code_dedent", context=60, min_distance=5,
+                     examples=10)
+    assert docs and all(d["target"] == d["choices"][d["answer"]] for d in docs)
+    for d in docs:
+        assert SOURCE[:d["byte"]].decode().endswith(d["context"])
+
+
+def test_code_tasks_are_written_as_an_lm_eval_group(tmp_path):
+    from evals.lmeval.code_tasks import write_code_tasks
+    files = [(f"f{i}.py", SOURCE * 3) for i in range(3)]
+    written = write_code_tasks(tmp_path, files, context=60, min_distance=8, examples=5)
+    assert set(written) == {"ced_code", "ced_code_identifier", "ced_code_close",
+                            "ced_code_dedent", "ced_code_turn"}
+    group = written["ced_code"].read_text()
+    assert '"task": ["ced_code_identifier", "ced_code_close", "ced_code_dedent"]' in group \
+        or 'task: ["ced_code_identifier", "ced_code_close", "ced_code_dedent"]' in group
+    assert 'output_type: "multiple_choice"' in written["ced_code_dedent"].read_text()
+    rows = [json.loads(line) for line in
+            (tmp_path / "data" / "code_identifier.jsonl").read_text().splitlines()]
+    turn = [json.loads(line) for line in
+            (tmp_path / "data" / "code_turn.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and all(r["distance"] > 8 for r in rows)
+    # the turn task reads other points than the identifier task
+    assert not {(r["file"], r["byte"]) for r in rows} & {(r["file"], r["byte"]) for r in turn}
+    with pytest.raises(ValueError, match="no point qualifies"):
+        write_code_tasks(tmp_path / "none", files, context=60, min_distance=500, examples=5)
