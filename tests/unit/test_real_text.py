@@ -208,6 +208,11 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert (base["unigram_nll"] < math.log(259)).all() and (base["nll_exact"] > 0).all()
     assert base["bytes"].nunique() == 1                   # the same bytes for every model
     assert json.loads((out / "settings.json").read_text())["max_files"] == 2
+    # a malformed replay form is one line naming the flag, before any model is read
+    assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "y"),
+                           "--replays", "W", "W/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--replays: expected" in err and "'W/0'" in err
     (run / "config.yaml").write_text("data:\n  kind: synthetic\n")
     assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "x")]) == 2
     assert "data kind 'synthetic'" in capsys.readouterr().err
