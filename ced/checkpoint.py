@@ -248,11 +248,40 @@ def load_config(path_or_dir: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: not a valid model config ({_first_line(exc)})") from None
 
 
-def load_model(directory: str | Path, map_location: str | torch.device = "cpu") -> CEDModel:
-    """Rebuild a CEDModel from a directory written by `save_model` (eval mode). A missing,
-    damaged or mismatched file raises CheckpointError (a ValueError) naming it."""
+def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
+                         kv: str | None = None) -> ModelConfig:
+    """`cfg` with the evaluation-time overrides applied, the one place they are read:
+    `topk` (None, "" or "none": as trained; an int; or "all": read every visible global entry,
+    i.e. top-k = max_seq_len) and `kv` (storage formats, `ced.quant.parse_kv_override`, e.g.
+    "global:fp4_block16"). Neither changes a parameter's shape, so any checkpoint's weights
+    load into the result. A ValueError names `topk` or the bad `kv` part."""
+    import dataclasses
+    changes: dict = {}
+    if topk is not None and str(topk).lower() not in ("", "none", "null"):
+        all_entries = str(topk).lower() == "all"
+        try:
+            k = cfg.max_seq_len if all_entries else int(topk)
+        except ValueError:
+            raise ValueError(f"topk: an int >= 1 or 'all'; got {topk!r}") from None
+        if cfg.topk is None and not all_entries:
+            raise ValueError(f"topk={topk}: this checkpoint has no lightning indexer (it was "
+                             "trained with topk=None, reading every entry); only topk=all")
+        if cfg.topk is not None and k != cfg.topk:
+            changes["topk"] = k
+    if kv is not None and str(kv).lower() not in ("", "none", "null"):
+        from .quant import parse_kv_override
+        changes.update(parse_kv_override(kv))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def load_model(directory: str | Path, map_location: str | torch.device = "cpu", *,
+               topk: int | str | None = None, kv: str | None = None) -> CEDModel:
+    """Rebuild a CEDModel from a directory written by `save_model` (eval mode), optionally
+    read back with another top-k or KV storage formats (`evaluation_overrides`). A missing,
+    damaged or mismatched file raises CheckpointError (a ValueError) naming it; a bad
+    override, a ValueError naming it."""
     directory = Path(directory)
-    cfg = load_config(directory)
+    cfg = evaluation_overrides(load_config(directory), topk, kv)
     try:
         model = CEDModel(cfg)
     except ValueError as exc:

@@ -23,7 +23,6 @@ visible entry, whatever the format). Results pooled over checkpoints (seeds) wit
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -97,13 +96,6 @@ def compare(plain: CEDModel, changed: CEDModel, ids: torch.Tensor) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
-def with_override(model: CEDModel, spec: str) -> CEDModel:
-    """The same weights read back with the storage formats of `spec`."""
-    fresh = CEDModel(dataclasses.replace(model.cfg, **parse_kv_override(spec)))
-    fresh.load_state_dict(model.state_dict())
-    return fresh.to(next(model.parameters()).dtype).eval()
-
-
 def run(checkpoints: list[Path], out: Path, specs: list[str], tasks: list[str], examples: int,
         length: int, bootstrap: int = 1000, seed: int = 0) -> dict:
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +107,7 @@ def run(checkpoints: list[Path], out: Path, specs: list[str], tasks: list[str], 
             raise ValueError(f"--checkpoint {checkpoint}: no top-k (trained with topk=None), so "
                              "no selection can flip")
         for spec in specs:
-            table = compare(plain, with_override(plain, spec), ids)
+            table = compare(plain, load_model(checkpoint, kv=spec).float(), ids)
             frames.append(table.assign(checkpoint=str(checkpoint), job=job_of(checkpoint),
                                        kv=spec))
     table = pd.concat(frames, ignore_index=True)

@@ -38,7 +38,6 @@ from ced.checkpoint import load_model
 from ced.config import default_hidden_tail, parse_replay_form, replay_length, resolve_replay
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
-from ced.quant import parse_kv_override
 from evals.modes import Mode, mode_logits, parse_mode
 
 from .families import FAMILIES, SuiteSettings, build_documents, prompt_ids, target_ids, write_jsonl
@@ -52,28 +51,11 @@ FULL = "full"
 
 def load_checkpoint(path: str | Path, topk: int | str | None = None, dtype: str = "float32",
                     device: str = "cpu", kv: str | None = None) -> CEDModel:
-    """`ced.checkpoint.load_model`, optionally with the top-k replaced (an int, or "all": read
-    every visible global entry, i.e. top-k = max_seq_len) and/or the KV storage formats
-    replaced (`kv`: `ced.quant.parse_kv_override`, e.g. "global:fp4_block16"), cast to
-    `dtype`."""
-    model = load_model(path, map_location=device)
-    changes: dict = {}
-    if topk is not None and str(topk).lower() not in ("", "none", "null"):
-        all_entries = str(topk).lower() == "all"
-        k = model.cfg.max_seq_len if all_entries else int(topk)
-        if model.cfg.topk is None and not all_entries:
-            raise ValueError(f"topk={topk}: this checkpoint has no lightning indexer (it was "
-                             "trained with topk=None, reading every entry); only topk=all")
-        if model.cfg.topk is not None and k != model.cfg.topk:
-            changes["topk"] = k
-    if kv is not None and str(kv).lower() not in ("", "none", "null"):
-        changes.update(parse_kv_override(kv))
-    if changes:
-        fresh = CEDModel(dataclasses.replace(model.cfg, **changes))
-        fresh.load_state_dict(model.state_dict())
-        model = fresh.to(device).eval()
+    """`ced.checkpoint.load_model` with its evaluation overrides (`topk`: an int or "all";
+    `kv`: storage formats such as "global:fp4_block16"), cast to `dtype`."""
     if dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"dtype: one of float32, float64, bfloat16; got {dtype!r}")
+    model = load_model(path, map_location=device, topk=topk, kv=kv)
     return model.to(dtype=getattr(torch, dtype)).eval()
 
 
