@@ -196,7 +196,8 @@ def token_table(scores: dict[str, np.ndarray], rows: Rows, names: list[str],
                           "start": start, "class": classes, "kl": scores["kl"],
                           "nll_exact": scores["nll_exact"], "nll_replay": scores["nll_replay"]})
     table["group"] = [group_of(c) if c != "unparsed" else "unparsed" for c in table["class"]]
-    return table
+    # millions of rows per model: the repeated strings as categories
+    return table.astype({"file": "category", "class": "category", "group": "category"})
 
 
 # ---- summaries ----------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def replay_groups(table, replays: dict[str, int], continuation: int):
 
 
 def _file_sums(part, column: str) -> np.ndarray:
-    grouped = part.groupby("file")[column].agg(["sum", "count"])
+    grouped = part.groupby("file", observed=True)[column].agg(["sum", "count"])
     return grouped[["sum", "count"]].to_numpy(dtype=float)
 
 
@@ -268,7 +269,7 @@ def by_class(table, replays: dict[str, int], continuation: int, level: str,
     out = []
     for key, unit in table.groupby(level):
         for label, n, part in replay_groups(unit, replays, continuation):
-            for group, cell in [("all", part), *part.groupby("group")]:
+            for group, cell in [("all", part), *part.groupby("group", observed=True)]:
                 if len(cell):
                     out.append({level: key, "replay": label, "N": n, "group": group,
                                 **class_summary(cell, resamples, seed)})
