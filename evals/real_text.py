@@ -382,8 +382,11 @@ def baselines(fraction: float, rows: Rows) -> dict[str, float]:
 
 def run(checkpoints: list[str], out: Path, replays: list[str], continuation: str = "W",
         passes: int = 4, context: int = 128, row_len: int = 512, dtype: str = "float32",
-        batch_size: int = 8, resamples: int = 1000, max_files: int | None = None) -> dict:
-    """Score every checkpoint, write the tables and plots into `out`; returns their paths."""
+        batch_size: int = 8, resamples: int = 1000, max_files: int | None = None,
+        wandb: dict | None = None) -> dict:
+    """Score every checkpoint, write the tables and plots into `out` (and, with `wandb`:
+    {"project": ..., "group": ...}, into an offline-by-default wandb run); returns their
+    paths."""
     import pandas as pd
     torch_dtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
     for form in replays:                    # every argument, before the first model costs minutes
@@ -412,11 +415,52 @@ def run(checkpoints: list[str], out: Path, replays: list[str], continuation: str
     if tables:
         written |= _write_tables(pd.concat(tables, ignore_index=True), forms, replays,
                                  resamples, out)
-    (out / "settings.json").write_text(json.dumps({
-        "checkpoints": checkpoints, "replays": replays, "continuation": continuation,
-        "passes": passes, "context": context, "row_len": row_len, "dtype": dtype,
-        "resamples": resamples, "max_files": max_files}, indent=1))
+    settings = {"checkpoints": checkpoints, "replays": replays, "continuation": continuation,
+                "passes": passes, "context": context, "row_len": row_len, "dtype": dtype,
+                "resamples": resamples, "max_files": max_files}
+    (out / "settings.json").write_text(json.dumps(settings, indent=1))
+    if wandb is not None:
+        _log_wandb(out, settings, written, **wandb)
     return written
+
+
+def real_text_scalars(classes, base) -> dict[str, float]:
+    """Flat scalars for dashboards: mean KL per job, replay and class group
+    (`kl/<job>/<replay>/<group>`, seed-level rows), exact NLL per job (`nll/<job>`) and the
+    n-gram baselines (`nll/unigram`, `nll/bigram`)."""
+    out = {}
+    for row in classes[classes["level"] == "seeds"].itertuples():
+        out[f"kl/{row.job}/{row.replay}/{row.group}"] = row.kl_mean
+    for job, part in base.groupby("job"):
+        out[f"nll/{job}"] = part["nll_exact"].mean()
+    if len(base):
+        out["nll/unigram"], out["nll/bigram"] = base["unigram_nll"].iloc[0], base["bigram_nll"].iloc[0]
+    return out
+
+
+def _log_wandb(out: Path, settings: dict, written: dict, project: str = "ced",
+               group: str | None = None) -> None:
+    """The tables, plots and scalars in a wandb run (offline unless WANDB_MODE says
+    otherwise; `wandb sync <out>/wandb/offline-run-*`), the checkpoints as its inputs."""
+    import os
+
+    import pandas as pd
+    import wandb as wb
+
+    from ced.tracking import log_scalars, use_checkpoints
+    run = wb.init(project=project, dir=str(out), job_type="real_text",
+                  group=group or os.environ.get("WANDB_RUN_GROUP") or "real_text",
+                  mode=os.environ.get("WANDB_MODE", "offline"), config=settings)
+    tables = {name: pd.read_csv(path) for name, path in written.items()
+              if str(path).endswith(".csv")}
+    run.log({name: wb.Table(dataframe=table.astype(str) if name == "baselines" else table)
+             for name, table in tables.items() if name != "kl_by_position"})
+    run.log({f"plots/{name[:-4]}": wb.Image(str(path)) for name, path in written.items()
+             if str(path).endswith(".png")})
+    use_checkpoints(run, settings["checkpoints"])
+    empty = pd.DataFrame(columns=["level", "job", "replay", "group", "kl_mean"])
+    log_scalars(run, real_text_scalars(tables.get("kl_by_class", empty), tables["baselines"]))
+    run.finish()
 
 
 def _write_tables(table, forms: dict, replays: list[str], resamples: int,
@@ -531,6 +575,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
+    p.add_argument("--no-wandb", action="store_true", help="write no wandb run")
+    p.add_argument("--wandb-project", default="ced")
+    p.add_argument("--wandb-group", default=None,
+                   help="default: $WANDB_RUN_GROUP (the study driver's), else real_text")
     return p
 
 
@@ -543,7 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     return list_written("real_text", lambda: run(
         args.checkpoint, Path(args.out), args.replays, args.continuation, args.passes,
         args.context, args.row_len, args.dtype, args.batch_size, args.bootstrap,
-        args.max_files), errors=(ValueError, CheckpointError, FileNotFoundError))
+        args.max_files, None if args.no_wandb else {"project": args.wandb_project,
+                                                    "group": args.wandb_group}),
+        errors=(ValueError, CheckpointError, FileNotFoundError))
 
 
 if __name__ == "__main__":

@@ -577,6 +577,8 @@ class Study:
                 "--row-len", str(spec.row_len), "--dtype", spec.dtype,
                 "--bootstrap", str(spec.bootstrap),
                 *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
+        tracking = (["--wandb-project", self.project, "--wandb-group", self.group]
+                    if self.wandb else ["--no-wandb"])
         paths = sorted(str(p) for p, _ in checkpoints.values())
         digest = config_hash({"args": args, "trained": sorted(h for _, h in checkpoints.values())})
         if self._fresh("real_text", out, out / "baselines.csv", digest):
@@ -586,7 +588,7 @@ class Study:
         banner(f"real text: {len(paths)} checkpoints, N={list(spec.replays)}")
         t0 = time.time()
         code, tail = stream([sys.executable, "-m", "evals.real_text", "--checkpoint", *paths,
-                             "--out", str(out), *args],
+                             "--out", str(out), *args, *tracking],
                             self.out / "logs" / "real_text.log", self.env)
         secs = round(time.time() - t0, 1)
         if code == 0 and (out / "baselines.csv").exists():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -175,9 +176,12 @@ def test_ngram_baselines_against_direct_counts():
     assert best["bigram_nll"] <= got["bigram_nll"]
 
 
-def test_cli_end_to_end(tmp_path, capsys):
-    """A model saved with a data=stdlib run config: every table and plot is written, replay
-    R_exact reads zero KL, and a model trained on other data is refused naming the flag."""
+def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
+    """A model saved with a data=stdlib run config: every table and plot is written (and
+    logged to an offline wandb run), replay R_exact reads zero KL, and a model trained on
+    other data is refused naming the flag."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = tiny_config(n_decoder_layers=2, window=4, topk=4, max_seq_len=64, vocab_size=259)
     run = tmp_path / "runs" / "job" / "seed0"
     save_model(make_model(cfg, 0).float(), run / "final")
@@ -208,6 +212,17 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert (base["unigram_nll"] < math.log(259)).all() and (base["nll_exact"] > 0).all()
     assert base["bytes"].nunique() == 1                   # the same bytes for every model
     assert json.loads((out / "settings.json").read_text())["max_files"] == 2
+    from ced.tracking import read_offline_run
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    deadline = time.time() + 30       # the service may append the last records after finish()
+    while True:
+        summary = read_offline_run(runs[0])["summary"]
+        if "nll/bigram" in summary or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert summary["nll/bigram"] == pytest.approx(base["bigram_nll"].iloc[0])
+    assert summary["kl/job/R_exact/all"] < 1e-12 and summary["kl/job/1/all"] > 1e-6
     # a malformed replay form is one line naming the flag, before any model is read
     assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "y"),
                            "--replays", "W", "W/0"]) == 2
