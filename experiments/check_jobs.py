@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m experiments.check_jobs JOBS.json", file=sys.stderr)
         return 2
-    from ced.train import compose_config, set_offline_defaults
+    from ced.cli.train import compose_config, set_offline_defaults
     from ced.train_config import ConfigError
     set_offline_defaults()
     for job in json.loads(Path(args[0]).read_text()):

@@ -80,7 +80,7 @@ def test_resume_needs_only_the_run_directory(tmp_path):
 
 def test_a_study_job_is_checked_like_ced_train_checks_it(tmp_path):
     """The same one line as the trainer's own check (experiments.check_jobs)."""
-    from ced.train import compose_config
+    from ced.cli.train import compose_config
     from ced.train_config import ConfigError
     cfg = compose_config([*[o for o in TINY if not o.startswith("hydra")], "train.steps=3"])
     assert cfg.train.steps == 3 and cfg.model.window == 8
@@ -183,7 +183,7 @@ def test_sweep_names_leave_out_what_conf_train_leaves_out():
     replaces that list, so the code must know it)."""
     from omegaconf import OmegaConf
 
-    from ced.train import CONF_DIR, NAME_EXCLUDES, name_sweep_by_what_varies
+    from ced.cli.train import CONF_DIR, NAME_EXCLUDES, name_sweep_by_what_varies
     conf = OmegaConf.load(Path(CONF_DIR) / "train.yaml")
     assert list(conf.hydra.job.config.override_dirname.exclude_keys) == NAME_EXCLUDES
     args = name_sweep_by_what_varies(["-m", "model=tiny", "optim.lr=1e-3,3e-3",

@@ -28,6 +28,9 @@ import torch
 from test_train import ENV, ROOT, TINY, metrics, run_train
 
 import ced.train as trainer
+import ced.cli.train as trainer_cli
+from ced.cli.train import CONF_DIR
+from ced.train_config import validate
 from ced.checkpoint import CheckpointError, load_model, save_model
 from ced.train_config import ConfigError
 
@@ -39,10 +42,10 @@ EXTEND = "train.allow_config_change=[train.steps]"
 
 def config(*overrides: str):
     from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=trainer.CONF_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[o for o in TINY if not o.startswith("hydra")]
                       + list(overrides))
-    return trainer.validate(cfg)
+    return validate(cfg)
 
 
 def train_in_process(run_dir: Path, *overrides: str) -> dict:
@@ -237,9 +240,9 @@ def test_a_non_finite_checkpoint_on_disk_is_not_named_good(base_run, tmp_path, m
 
 def test_nan_at_the_last_step_exits_non_zero_without_a_final_model(tmp_path):
     run = tmp_path / "run"
-    code = ("import sys, ced.train as t; real = t.lr_factor; "
+    code = ("import sys, ced.train as t, ced.cli.train as app; real = t.lr_factor; "
             "t.lr_factor = lambda s, *a: float('inf') if s == 3 else real(s, *a); "
-            "sys.argv = ['ced.train'] + sys.argv[1:]; t.main()")
+            "sys.argv = ['ced.train'] + sys.argv[1:]; app.main()")
     done = subprocess.run([sys.executable, "-c", code, *TINY, f"hydra.run.dir={run}", *STEPS4],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr[-2000:]
@@ -404,7 +407,7 @@ def test_load_model_names_the_damaged_file_in_one_line(base_run, tmp_path, damag
 def test_offline_flags_are_defaults_the_environment_can_override(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
-    trainer.set_offline_defaults()
+    trainer_cli.set_offline_defaults()
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     assert os.environ["HF_DATASETS_OFFLINE"] == "0"
 

@@ -147,10 +147,12 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, m
     from hydra import compose, initialize_config_dir
 
     import ced.train as trainer
-    with initialize_config_dir(config_dir=trainer.CONF_DIR, version_base="1.3"):
+    from ced.cli.train import CONF_DIR
+    from ced.train_config import validate
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[o for o in TINY if not o.startswith("hydra")]
                       + ["train.steps=6", "train.save_every=2", "train.eval_every=100"])
-    config = trainer.validate(cfg)
+    config = validate(cfg)
     real = trainer.F.cross_entropy
     calls = {"n": 0}
 

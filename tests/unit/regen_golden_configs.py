@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import ced.train as trainer  # noqa: E402
+import ced.cli.train as trainer  # noqa: E402
 from ced.data import build_source  # noqa: E402
 from experiments.study import STUDY_DIR, load_study, normalise_overrides  # noqa: E402
 from test_registry import compose_train, rows_hash  # noqa: E402

@@ -156,7 +156,7 @@ def test_cli_json(tmp_path):
 
 def test_cli_table_and_hydra_overrides(tmp_path, monkeypatch, capsys):
     """In-process (Hydra is re-entrant): the table, a Hydra override, json=true."""
-    from ced.cost import main
+    from ced.cli.cost import main
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ced.cost"])
     main(["model=ced", "seq_len=4096"])

@@ -69,7 +69,7 @@ def _train_args(line: str) -> list[str] | None:
 
 
 def test_every_documented_training_command_uses_keys_of_the_config():
-    from ced.train import check_overrides, expand_experiment, free_form_overrides
+    from ced.cli.train import check_overrides, expand_experiment, free_form_overrides
     from ced.train_config import ConfigError
     bad = []
     for name, line in doc_lines():

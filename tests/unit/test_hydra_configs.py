@@ -13,7 +13,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import ced.train as trainer
+import ced.cli.train as trainer
+import ced.train as training
 from ced.train_config import ConfigError, validate
 from experiments.run import (DRIVER_KEYS, DriverConfig, check_driver_overrides,
                              training_overrides)
@@ -260,12 +261,12 @@ def test_mixed_precision_defers_to_accelerate(monkeypatch, tmp_path):
     assert config.train.mixed_precision is None
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     try:
-        assert trainer.make_accelerator(config, tmp_path).mixed_precision == "bf16"
+        assert training.make_accelerator(config, tmp_path).mixed_precision == "bf16"
     finally:
-        trainer._reset_accelerate()
+        training._reset_accelerate()
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(ConfigError, match="fp16 does nothing on CPU"):
-        trainer.make_accelerator(config, tmp_path)
+        training.make_accelerator(config, tmp_path)
 
 
 # The findings scale trains each shared run once: these jobs of different studies must train the

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import ced.train as trainer
+import ced.cli.train as trainer
 from ced import ModelConfig
 from ced.data import (TASKS, DataConfig, Point, Sweep, build_source, chance_accuracy,
                       family_task, filler_text, task, unregister)

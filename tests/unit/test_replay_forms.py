@@ -300,7 +300,7 @@ def test_an_unresolved_window_form_is_not_judged_exact_or_inexact():
 
 
 def _train_config(*overrides):
-    from ced.train import compose_config
+    from ced.cli.train import compose_config
     return compose_config(["model=tiny", "train.replay.probability=0.5", *overrides])
 
 
