@@ -613,12 +613,7 @@ class Study:
             args = ["--examples", str(spec.lm_eval_examples), "--context",
                     str(spec.lm_eval_context), "--min-distance", str(spec.lm_eval_min_distance),
                     *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
-            code, tail = stream([sys.executable, "-m", "evals.lmeval", "write-code-tasks",
-                                 "--checkpoint", str(final), "--out", str(tasks), *args],
-                                self.out / "logs" / f"lm_eval_tasks_{label.replace('/', '_')}.log",
-                                self.env)
-            if code != 0:
-                self.record(f"lm_eval/{label}", "failed", returncode=code, tail=tail)
+            if not self._code_tasks(label, final, trained, tasks, args):
                 continue
             runs = [(m, "ced_code") for m in (spec.lm_eval_modes if replays else ["full"])]
             runs += [(m, "ced_code_turn") for m in (spec.lm_eval_turn_modes if replays else [])]
@@ -632,6 +627,23 @@ class Study:
             self.record("lm_eval", "ok", out=str(written["lm_eval"]))
         except (FileNotFoundError, ValueError) as exc:
             self.record("lm_eval", "failed", error=str(exc))
+
+    def _code_tasks(self, label: str, final: Path, trained: str, tasks: Path,
+                    args: list[str]) -> bool:
+        """The code tasks of one checkpoint (its W, its held-out files), written once per
+        settings and checkpoint; False (recorded) if writing them failed."""
+        digest = config_hash({"tasks": args, "trained": trained})
+        if self._fresh(f"lm_eval tasks {label}", tasks, tasks / "ced_code.yaml", digest):
+            return True
+        code, tail = stream([sys.executable, "-m", "evals.lmeval", "write-code-tasks",
+                             "--checkpoint", str(final), "--out", str(tasks), *args],
+                            self.out / "logs" / f"lm_eval_tasks_{label.replace('/', '_')}.log",
+                            self.env)
+        if code != 0:
+            self.record(f"lm_eval/{label}", "failed", returncode=code, tail=tail)
+            return False
+        _write_stamp(tasks, {"hash": digest, "checkpoint": str(final)})
+        return True
 
     def _lm_eval_run(self, label: str, final: Path, trained: str, mode: str, group: str,
                      tasks: Path, task_args: list[str], out: Path, batch_size: int) -> None:

@@ -80,3 +80,5 @@ def test_a_second_run_skips_the_step(study):
     again = run_study(out, "only=eval")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "real_text: done before with the same inputs" in again.stdout
+    assert "lm_eval tasks ced_L2/seed0: done before with the same inputs" in again.stdout
+    assert "lm_eval/ced_L2/seed0/ced_code/replay=W: done before" in again.stdout
