@@ -19,13 +19,18 @@ distance d = (its position) - s from the latest start s is the (d - N)-th contin
 a prompt replayed with N, for every N <= d. One forward per pass covers every byte; `--passes`
 P shifts the starts by S / P so that each byte is read at P distances. S = R_exact + G, with G
 the continuation length (`--continuation`, default W): "replay N" below is the G bytes that
-follow a prompt replayed with N, i.e. the bytes at distance N <= d < N + G. At N = R_exact
-every KL is zero up to rounding: the check that the read is right.
+follow a prompt replayed with N, i.e. the bytes at distance N <= d < N + G (an N above
+R_exact is read as R_exact). At N = R_exact every KL is zero up to rounding: the check that
+the read is right. `--context` must be at least R_exact + G, so that every scored byte has a
+replay start before it in its row and its model's whole reach inside the row. A model
+without a decoder, or with an exact early exit (yoco), is read for its NLL only.
 
 Token classes (`evals.code_tokens`, from Python's tokenize over the whole file):
-identifier_far (a name whose latest earlier occurrence starts more than W bytes back),
-closer_before_replay (a closing bracket, or the first byte of a dedenting line, whose opener
-lies before the replay start) and other; the finer classes are kept in `class`.
+identifier_far (a name whose latest earlier occurrence, in code, a comment or a string,
+starts more than W bytes back and before the replay start), closer_before_replay (a closing
+bracket, or the first byte of a dedenting line, whose opener lies before the replay start)
+and other; the finer classes are kept in `class` (evidence before the row, which neither
+reading sees, is `evidence_outside_row`, in other).
 
 Writes into --out:
   tokens.parquet     one row per (checkpoint, pass, scored byte): file, byte, distance, replay
@@ -34,9 +39,10 @@ Writes into --out:
   kl_by_class.csv    per checkpoint, N and class group (and `all`): bytes, mean / median / p99 /
                      max KL, NLL exact and replay, delta perplexity, with a 95% CI over files
                      (cluster bootstrap: the files are the examples), and per job pooled over
-                     checkpoints with the seed-level CI (models, then files within a model)
-  baselines.csv      per checkpoint (every variant: a model without a decoder is read only
-                     here) its parameters and exact NLL on the scored bytes, beside the unigram
+                     checkpoints with the seed-level CI (models and files drawn crossed: the
+                     models read the same files)
+  baselines.csv      per checkpoint (every variant: dense and yoco are read only here) its
+                     parameters and exact NLL on the scored bytes, beside the unigram
                      and bigram NLL on the same bytes (counts from the train split; add-k
                      smoothing with k chosen on the validation bytes themselves, which favours
                      the baselines)
@@ -64,6 +70,9 @@ from ced.data.tokenizer import ByteTokenizer
 from .code_tokens import Annotation, annotate, classify, group_of
 
 _TOK = ByteTokenizer()
+# every file `run` writes into --out (wandb/ aside)
+OUTPUTS = ("tokens.parquet", "kl_by_position.csv", "kl_by_class.csv", "baselines.csv",
+           "kl_by_position.png", "kl_by_class.png", "settings.json")
 DEFAULT_REPLAYS = ("1", "W/2", "W", "2W", "R_exact")
 
 
@@ -185,12 +194,14 @@ def token_table(scores: dict[str, np.ndarray], rows: Rows, names: list[str],
     file = rows.file.numpy()[row]
     byte = rows.offset.numpy()[row] + scores["position"]       # stream offset - 1
     start = scores["start"] - 1
+    # the first file byte the model is shown: the row's (stream offset o is file byte o - 1)
+    visible = np.maximum(rows.offset.numpy()[row] - 1, 0)
     classes = np.full(len(row), "unparsed", dtype=object)
     for f in np.unique(file):
         ann = annotations[f]
         if ann is not None:
             at = file == f
-            classes[at] = classify(ann, byte[at], start[at], window)
+            classes[at] = classify(ann, byte[at], start[at], window, visible[at])
     table = pd.DataFrame({"file": np.asarray(names, dtype=object)[file], "byte": byte,
                           "pass": scores["pass"], "distance": scores["distance"],
                           "start": start, "class": classes, "kl": scores["kl"],
@@ -202,30 +213,30 @@ def token_table(scores: dict[str, np.ndarray], rows: Rows, names: list[str],
 
 # ---- summaries ----------------------------------------------------------------------------
 
-def cluster_bootstrap(parts: list, resamples: int = 1000, seed: int = 0,
+def cluster_bootstrap(parts, resamples: int = 1000, seed: int = 0,
                       confidence: float = 0.95) -> tuple[float, float]:
-    """Interval of a mean of token values when tokens come in clusters (files) within models.
+    """Interval of a mean of token values whose tokens come in files, read by one or several
+    models.
 
-    parts: one entry per model, each an array [files, 2] of (sum of values, token count) per
-    file. A replicate draws the models with replacement, then each drawn model's files with
-    replacement, and averages the models' ratio means (sum / count): the model is the unit,
-    and within a model the file is the example. With one model, only files are drawn. Returns
-    the percentile interval (NaN, NaN without tokens)."""
+    parts: array [models, files, 2] of (sum of values, token count) per model and file, the
+    files in the same order for every model (a file a model did not read: zeros). The models
+    read the same files, so files and models are crossed: a replicate draws the models with
+    replacement and, once, the files with replacement, and averages the drawn models' ratio
+    means (sum / count) over those files. The model is the unit; within it the file is the
+    example. With one model only files are drawn. Returns the percentile interval (NaN, NaN
+    without tokens)."""
     rng = np.random.default_rng(seed)
-    parts = [np.asarray(p, dtype=float).reshape(-1, 2) for p in parts]
-    parts = [p for p in parts if p[:, 1].sum() > 0]
-    if not parts:
+    parts = np.asarray(parts, dtype=float).reshape(-1, *np.shape(parts)[-2:])
+    parts = parts[parts[:, :, 1].sum(1) > 0]
+    if parts.size == 0:
         return math.nan, math.nan
+    n_models, n_files = parts.shape[:2]
     stats = np.empty(resamples)
-    n_models = len(parts)
     for k in range(resamples):
-        models = rng.integers(0, n_models, n_models) if n_models > 1 else [0]
-        means = []
-        for m in models:
-            part = parts[m]
-            pick = part[rng.integers(0, len(part), len(part))]
-            means.append(pick[:, 0].sum() / max(pick[:, 1].sum(), 1e-300))
-        stats[k] = np.mean(means)
+        models = rng.integers(0, n_models, n_models) if n_models > 1 else np.zeros(1, int)
+        files = rng.integers(0, n_files, n_files)
+        picked = parts[models][:, files].sum(1)                  # [drawn models, 2]
+        stats[k] = np.mean(picked[:, 0] / np.maximum(picked[:, 1], 1e-300))
     tail = (1 - confidence) / 2
     return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
 
@@ -238,23 +249,25 @@ def replay_groups(table, replays: dict[str, int], continuation: int):
         yield label, n, part
 
 
-def _file_sums(part, column: str) -> np.ndarray:
-    grouped = part.groupby("file", observed=True)[column].agg(["sum", "count"])
-    return grouped[["sum", "count"]].to_numpy(dtype=float)
+def _file_sums(part, values) -> np.ndarray:
+    """[models, files, 2]: per model (checkpoint) and file, the sum of `values` (a Series
+    aligned with `part`) and the count, files aligned across models."""
+    grouped = (values.groupby([part["checkpoint"], part["file"]], observed=True)
+               .agg(["sum", "count"]))
+    sums = grouped["sum"].unstack(fill_value=0.0)
+    counts = grouped["count"].unstack(fill_value=0)
+    return np.stack([sums.to_numpy(float), counts.to_numpy(float)], axis=-1)
 
 
 def class_summary(part, resamples: int, seed: int) -> dict:
     """Token statistics of one (model or job, N, class) cell; `part` may hold several models
     (column `checkpoint`): its CIs are then seed-level."""
     kl = part["kl"].to_numpy()
-    models = [m for _, m in part.groupby("checkpoint")]
-    ci = cluster_bootstrap([_file_sums(m, "kl") for m in models], resamples, seed)
+    ci = cluster_bootstrap(_file_sums(part, part["kl"]), resamples, seed)
     dnll = part["nll_replay"] - part["nll_exact"]
-    ci_dnll = cluster_bootstrap(
-        [_file_sums(m.assign(dnll=m["nll_replay"] - m["nll_exact"]), "dnll") for m in models],
-        resamples, seed)
+    ci_dnll = cluster_bootstrap(_file_sums(part, dnll), resamples, seed)
     nll_e, nll_r = float(part["nll_exact"].mean()), float(part["nll_replay"].mean())
-    return {"models": len(models), "files": part["file"].nunique(), "bytes": len(part),
+    return {"models": part["checkpoint"].nunique(), "files": part["file"].nunique(), "bytes": len(part),
             "kl_mean": float(kl.mean()), "kl_ci_low": ci[0], "kl_ci_high": ci[1],
             "kl_median": float(np.median(kl)), "kl_p99": float(np.quantile(kl, 0.99)),
             "kl_max": float(kl.max()), "nll_exact": nll_e, "nll_replay": nll_r,
@@ -334,11 +347,35 @@ def exact_nll(model, rows: Rows, batch_size: int = 8) -> np.ndarray:
     return torch.cat(out).numpy()
 
 
+def geometry(cfg, checkpoint: str, replays: list[str], continuation: str, context: int,
+             passes: int) -> tuple[dict[str, int], int] | None:
+    """({form: N}, G) for a model whose replay is read, None for one read for its NLL only
+    (no decoder, or an exact early exit: yoco). N above R_exact is read as R_exact (a replay
+    that long is exact). Refuses, naming the flag, a context shorter than R_exact + G (the
+    period of the replay starts: a byte needs a start before it inside its row and its
+    model's whole reach in the row) and more passes than the period has positions."""
+    if not cfg.has_decoder or cfg.traits.exact_early_exit:
+        return None
+    r_exact = exact_replay_length(cfg)
+    lengths = {form: min(replay_length(cfg, parse_replay_form(form, "--replays"),
+                                       name="--replays"), r_exact) for form in replays}
+    g = replay_length(cfg, parse_replay_form(continuation, "--continuation"),
+                      name="--continuation")
+    if context < r_exact + g:
+        raise ValueError(f"--context: {context} is shorter than R_exact + G = {r_exact} + {g} "
+                         f"of {checkpoint}; give at least {r_exact + g}")
+    if passes > r_exact + g:
+        raise ValueError(f"--passes: {passes} is more than the {r_exact + g} positions between "
+                         f"replay starts of {checkpoint}")
+    return lengths, g
+
+
 def score_checkpoint(checkpoint: str, replays: list[str], continuation: str, passes: int,
                      context: int, row_len: int, dtype: torch.dtype, batch_size: int,
                      max_files: int | None = None):
     """One checkpoint: (its token table with checkpoint, job, seed, W and R_exact columns, or
-    None for a model without a decoder; {form: N}; G; {its exact NLL and byte count})."""
+    None for a model whose replay is not read (`geometry`); {form: N}; G; {its exact NLL and
+    byte count})."""
     from .findings import _checkpoint_label
     fraction = _stdlib_fraction(checkpoint)
     model = load_model(checkpoint).to(dtype).eval()
@@ -349,16 +386,14 @@ def score_checkpoint(checkpoint: str, replays: list[str], continuation: str, pas
     label = {"checkpoint": str(checkpoint), "job": job, "seed": seed, "variant": cfg.variant,
              "parameters": sum(p.numel() for p in model.parameters())}
     t0 = time.time()
-    if not cfg.has_decoder:        # nothing to replay: its exact NLL, for the baselines table
+    read = geometry(cfg, checkpoint, replays, continuation, context, passes)
+    if read is None:               # nothing to replay: its exact NLL, for the baselines table
         nll = exact_nll(model, rows, batch_size)
         print(f"[real_text] {checkpoint}: {cfg.variant}, exact NLL {nll.mean():.4f} on "
               f"{len(nll)} bytes in {time.time() - t0:.0f}s", flush=True)
         return None, {}, 0, {**label, "nll_exact": float(nll.mean()), "bytes": len(nll)}
+    lengths, g = read
     r_exact = exact_replay_length(cfg)
-    lengths = {form: replay_length(cfg, parse_replay_form(form, "--replays"), name="--replays")
-               for form in replays}
-    g = replay_length(cfg, parse_replay_form(continuation, "--continuation"),
-                      name="--continuation")
     scores = score(model, rows, r_exact + g, passes, batch_size)
     table = token_table(scores, rows, [name for name, _ in files],
                         [annotate(data) for _, data in files], cfg.window)
@@ -392,6 +427,9 @@ def run(checkpoints: list[str], out: Path, replays: list[str], continuation: str
     for form in replays:                    # every argument, before the first model costs minutes
         parse_replay_form(form, "--replays")
     parse_replay_form(continuation, "--continuation")
+    from ced.checkpoint import load_config
+    for checkpoint in checkpoints:
+        geometry(load_config(checkpoint), checkpoint, replays, continuation, context, passes)
     fractions = {_stdlib_fraction(checkpoint) for checkpoint in checkpoints}
     if len(fractions) != 1:
         raise ValueError(f"--checkpoint: the models hold out different stdlib splits "
@@ -513,15 +551,19 @@ def _class_tables(table, forms: dict, replays: list[str], resamples: int):
 
 # ---- lm-eval over the code tasks ------------------------------------------------------------
 
-def read_lm_eval(root: Path):
+def read_lm_eval(root: Path, runs: list[Path] | None = None):
     """Every lm-eval run under root/<job>/seed<k>/<group>/<mode>/ (mode.txt names the
-    evals.modes string; the samples files come from --log_samples) as suite-style results: job,
+    evals.modes string; the samples files come from --log_samples), or only those in `runs`,
+    as suite-style results: job,
     train_seed, run, mode, family (the task without `ced_`), x (distance bin), id, correct,
     distance, file."""
     import pandas as pd
     rows = []
+    wanted = None if runs is None else {Path(r).resolve() for r in runs}
     for mode_file in sorted(Path(root).glob("*/seed*/*/*/mode.txt")):
         run_dir = mode_file.parent
+        if wanted is not None and run_dir.resolve() not in wanted:
+            continue
         job, seed_dir = run_dir.parents[2].name, run_dir.parents[1].name
         mode = mode_file.read_text().strip()
         for samples in sorted(run_dir.rglob("samples_*.jsonl")):
@@ -541,12 +583,13 @@ def read_lm_eval(root: Path):
     return pd.DataFrame(rows)
 
 
-def write_lm_eval(root: Path, out: Path) -> dict[str, Path]:
+def write_lm_eval(root: Path, out: Path, runs: list[Path] | None = None) -> dict[str, Path]:
     """lm_eval.csv (every mode against full, paired on documents: the example-level and
     seed-level CIs, p-values and Holm of `evals.findings.capability_drop_table`) and
-    lm_eval_accuracy.csv (accuracy per job, task, distance bin and mode) from `read_lm_eval`."""
+    lm_eval_accuracy.csv (accuracy per job, task, distance bin and mode) from `read_lm_eval`
+    (of `runs` only, when given: the study driver passes the runs of its current spec)."""
     from .findings import accuracy_table, capability_drop_table
-    results = read_lm_eval(root)
+    results = read_lm_eval(root, runs)
     out.mkdir(parents=True, exist_ok=True)
     accuracy = accuracy_table(results)
     accuracy.to_csv(out / "lm_eval_accuracy.csv", index=False)

@@ -584,7 +584,11 @@ class Study:
         if self._fresh("real_text", out, out / "baselines.csv", digest):
             self.record(key, "skipped", out=str(out), hash=digest)
             return
-        (out / STAMP).unlink(missing_ok=True)
+        # what a previous reading wrote (not lm_eval/, which lives here too): a rerun that
+        # writes fewer tables must not leave old ones beside its stamp
+        from evals.real_text import OUTPUTS
+        for name in (STAMP, *OUTPUTS):
+            (out / name).unlink(missing_ok=True)
         banner(f"real text: {len(paths)} checkpoints, N={list(spec.replays)}")
         t0 = time.time()
         code, tail = stream([sys.executable, "-m", "evals.real_text", "--checkpoint", *paths,
@@ -606,6 +610,7 @@ class Study:
             return
         from ced.checkpoint import load_config
         root = self.out / "real_text" / "lm_eval"
+        current: list[Path] = []        # the runs of this spec and these checkpoints only
         for label, (final, trained) in self.checkpoints(all_jobs=True).items():
             cfg = load_config(final)
             replays = cfg.has_decoder and not cfg.traits.exact_early_exit
@@ -618,12 +623,12 @@ class Study:
             runs = [(m, "ced_code") for m in (spec.lm_eval_modes if replays else ["full"])]
             runs += [(m, "ced_code_turn") for m in (spec.lm_eval_turn_modes if replays else [])]
             for mode, group in runs:
+                current.append(root / label / group / mode_slug(mode))
                 self._lm_eval_run(label, final, trained, mode, group, tasks, args,
-                                  root / label / group / mode_slug(mode),
-                                  spec.lm_eval_batch_size)
+                                  current[-1], spec.lm_eval_batch_size)
         from evals.real_text import write_lm_eval
         try:
-            written = write_lm_eval(root, self.out / "real_text")
+            written = write_lm_eval(root, self.out / "real_text", runs=current)
             self.record("lm_eval", "ok", out=str(written["lm_eval"]))
         except (FileNotFoundError, ValueError) as exc:
             self.record("lm_eval", "failed", error=str(exc))
@@ -634,6 +639,7 @@ class Study:
         settings and checkpoint; False (recorded) if writing them failed."""
         digest = config_hash({"tasks": args, "trained": trained})
         if self._fresh(f"lm_eval tasks {label}", tasks, tasks / "ced_code.yaml", digest):
+            self.record(f"lm_eval/{label}", "skipped", out=str(tasks), hash=digest)
             return True
         code, tail = stream([sys.executable, "-m", "evals.lmeval", "write-code-tasks",
                              "--checkpoint", str(final), "--out", str(tasks), *args],
@@ -643,6 +649,7 @@ class Study:
             self.record(f"lm_eval/{label}", "failed", returncode=code, tail=tail)
             return False
         _write_stamp(tasks, {"hash": digest, "checkpoint": str(final)})
+        self.record(f"lm_eval/{label}", "ok", out=str(tasks), hash=digest)
         return True
 
     def _lm_eval_run(self, label: str, final: Path, trained: str, mode: str, group: str,

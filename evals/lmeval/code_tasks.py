@@ -12,16 +12,18 @@ the evidence lies. Only points whose evidence lies more than `--min-distance` by
 (default 2W: before the replay start of every N <= 2W) and inside the context are kept.
 
   ced_code_identifier  complete a name: the context ends after the first two bytes of a name
-                       (four bytes or longer) whose latest earlier occurrence starts more than
-                       min-distance bytes back, and within the context; the target is the rest
-                       of the name (loglikelihood, acc: every target byte is the argmax)
+                       (four bytes or longer) whose latest earlier occurrence (in code, a
+                       comment or a string) starts more than min-distance bytes back, and
+                       within the context; the target is the rest of the name (loglikelihood,
+                       acc: every target byte is the argmax)
   ced_code_close       close a bracket: the context ends before a closing bracket whose opener
                        lies more than min-distance bytes back; the target is the bracket
   ced_code_dedent      close a block: the context ends at the start of a dedenting line; the
                        choices are the indentations of the open blocks (multiple_choice, each
                        followed by the line's first byte, so that each choice says where the
                        indentation stops); the answer is the one of the block header the line
-                       returns to, more than min-distance bytes back
+                       returns to, more than min-distance bytes back (a document whose last
+                       non-blank line is a comment at the answer's indentation is left out)
   ced_code             the group of the three, with its aggregate acc (weighted by size)
   ced_code_turn        the identifier task on other points, to read with a multi-turn mode
                        (model_args turn=M,policy=P): the context's last M bytes are a new turn
@@ -56,9 +58,10 @@ def _text(data: bytes, start: int, end: int) -> tuple[str, int]:
     return data[start:end].decode("utf-8", errors="replace"), start
 
 
-def _distance_bin(distance: int) -> int:
-    """The power of two at or above `distance`: documents' x, for per-distance reading."""
-    return 1 << max(0, int(distance - 1).bit_length())
+def _distance_bin(distance: int, context: int) -> int:
+    """Documents' x, for per-distance reading: the power of two at or above `distance`,
+    capped at the context (no evidence lies farther back than that)."""
+    return min(1 << max(0, int(distance - 1).bit_length()), context)
 
 
 def name_runs(ann) -> list[tuple[int, int]]:
@@ -80,8 +83,8 @@ def identifier_points(data: bytes, ann, context: int, min_distance: int) -> list
         previous = begin - gap
         distance = cut - previous
         if gap < 0 or end - begin < 4 or cut < context or distance <= min_distance \
-                or previous < cut - context:
-            continue
+                or previous < cut - context or not data[begin:cut].isascii():
+            continue             # (a cut inside a character would score bytes not in the file)
         out.append({"cut": cut, "end": end, "distance": distance})
     return out
 
@@ -109,9 +112,25 @@ def dedent_choices(data: bytes, ann, at: int) -> tuple[list[str], int] | None:
     levels = ann.levels.get(at)
     if levels is None or truth.strip(b" ") or len(truth) not in levels:
         return None
+    if _comment_at(data, cut, len(truth)):
+        return None                       # a comment just above gives the indentation away
     first = data[at:at + 1].decode("utf-8", errors="replace")
     choices = [" " * k + first for k in levels]
     return choices, levels.index(len(truth))
+
+
+def _comment_at(data: bytes, cut: int, width: int) -> bool:
+    """Whether the last non-blank line before byte `cut` (a line start) is a comment indented
+    by exactly `width` spaces."""
+    end = cut - 1
+    while end > 0:
+        start = data.rfind(b"\n", 0, end) + 1
+        line = data[start:end]
+        if line.strip():
+            body = line.lstrip(b" ")
+            return body.startswith(b"#") and len(line) - len(body) == width
+        end = start - 1
+    return False
 
 
 def documents(files: list[tuple[str, bytes]], task: str, context: int, min_distance: int,
@@ -147,7 +166,7 @@ def _document(task: str, name: str, data: bytes, ann, point: dict,
               context: int) -> dict | None:
     text, start = _text(data, point["cut"] - context, point["cut"])
     doc = {"family": task, "file": name, "byte": point["cut"], "distance": point["distance"],
-           "x": _distance_bin(point["distance"]), "context": text}
+           "x": _distance_bin(point["distance"], context), "context": text}
     if task in ("code_identifier", "code_turn"):
         doc["target"] = data[point["cut"]:point["end"]].decode("utf-8", errors="replace")
     elif task == "code_close":
@@ -176,7 +195,7 @@ def write_code_tasks(out_dir: str | Path, files: list[tuple[str, bytes]], contex
     docs = []
     for task in TASKS:
         found = documents(files, task, context, min_distance, examples, seed)
-        if not found:
+        if not found and task != "code_turn":    # code_turn: the points the others leave
             raise ValueError(f"{task}: no point qualifies (context {context}, min distance "
                              f"{min_distance}, {len(files)} files)")
         docs += found

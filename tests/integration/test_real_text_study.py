@@ -1,13 +1,14 @@
 """The real-text study (conf/experiment/real_text.yaml) end to end at its tiny scale: four
 tiny byte-level models of the stdlib (ced L_d = 2 and 8, yoco, dense) trained for two steps,
 then the real_text step: every table and plot, the baselines for every model, zero KL for the
-exact early exit (yoco) at every distance and for ced at and beyond R_exact; a second run skips
-the step (same inputs)."""
+for ced at and beyond R_exact (yoco and dense read for their NLL only); a second run skips
+the step (same inputs), and a stale lm-eval run of a mode no longer asked for is not read."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,9 @@ def test_the_tiny_study_trains_and_reads_real_text(study):
     assert sorted(base["job"]) == ["ced_L2", "ced_L8", "dense", "yoco"]
     assert (base["bigram_nll"] < base["unigram_nll"]).all() and (base["parameters"] > 0).all()
     tokens = pd.read_parquet(rt / "tokens.parquet")
-    assert set(tokens["job"]) == {"ced_L2", "ced_L8", "yoco"}       # dense has no decoder
-    assert tokens[tokens["job"] == "yoco"]["kl"].abs().max() < 1e-5      # exact early exit
-    ced = tokens[tokens["job"] != "yoco"]
+    # dense has no decoder and yoco's early exit is exact: both are read for their NLL only
+    assert set(tokens["job"]) == {"ced_L2", "ced_L8"}
+    ced = tokens
     assert ced[ced["distance"] >= ced["R_exact"]]["kl"].abs().max() < 1e-5
     assert ced[ced["distance"] == 1]["kl"].mean() > 1e-7
     assert {"identifier_far", "closer_before_replay", "other"} <= set(tokens["group"])
@@ -63,8 +64,10 @@ def test_the_code_tasks_run_through_lm_eval_for_every_mode(study):
     out, _ = study
     steps = json.loads((out / "summary.json").read_text())["steps"]
     assert steps["lm_eval"]["state"] == "ok"
-    runs = sorted(k for k, v in steps.items() if k.startswith("lm_eval/") and v["state"] == "ok")
+    ok = sorted(k for k, v in steps.items() if k.startswith("lm_eval/") and v["state"] == "ok")
+    runs = [k for k in ok if "/ced_code/" in k]
     assert len(runs) == 2 * 2 + 2, runs
+    assert len(ok) - len(runs) == 4                  # each model's tasks, written once
     drops = pd.read_csv(out / "real_text" / "lm_eval.csv")
     assert set(drops["family"]) == {"code_identifier", "code_close", "code_dedent"}
     assert set(drops["mode"]) == {"replay=W"}
@@ -77,8 +80,14 @@ def test_the_code_tasks_run_through_lm_eval_for_every_mode(study):
 
 def test_a_second_run_skips_the_step(study):
     out, _ = study
+    # a run left on disk by a mode the spec no longer asks for
+    stale = out / "real_text" / "lm_eval" / "ced_L2" / "seed0" / "ced_code" / "replay=1"
+    shutil.copytree(stale.parent / "replay=W", stale)
+    (stale / "mode.txt").write_text("replay=1\n")
     again = run_study(out, "only=eval")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "real_text: done before with the same inputs" in again.stdout
     assert "lm_eval tasks ced_L2/seed0: done before with the same inputs" in again.stdout
     assert "lm_eval/ced_L2/seed0/ced_code/replay=W: done before" in again.stdout
+    drops = pd.read_csv(out / "real_text" / "lm_eval.csv")
+    assert set(drops["mode"]) == {"replay=W"}                 # the stale replay=1 is not read

@@ -5,6 +5,7 @@ counts; and the CLI end to end on a model saved with a data=stdlib config."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -16,7 +17,7 @@ import torch
 from ced import InferenceEngine, exact_replay_length
 from ced.checkpoint import save_model
 from evals import real_text
-from evals.code_tokens import annotate, classify, group_of
+from evals.code_tokens import CLASSES, annotate, classify, group_of
 from evals.modes import Mode, mode_logits
 from tests.conftest import make_model, tiny_config
 
@@ -70,24 +71,45 @@ def test_annotation_of_a_hand_checked_file():
     assert annotate(b"def f(:\n  )\n x = (") is None                 # tokenize refuses it
 
 
-def test_classes_follow_the_window_and_the_replay_start():
+def test_classes_follow_the_window_the_replay_start_and_the_row():
     ann = annotate(SOURCE)
-    second_alpha = _at(SOURCE, b"alpha", 1)
-    gap = second_alpha - _at(SOURCE, b"alpha")
+    first, second = _at(SOURCE, b"alpha"), _at(SOURCE, b"alpha", 1)
+    gap = second - first
     close = _at(SOURCE, b"beta)\n") + 4
-    opener = ann.opener[close]
-    positions = np.array([second_alpha, second_alpha, close, close, 0])
-    got = classify(ann, positions, np.array([0, 0, opener, opener + 1, 0]),
-                   np.array([gap, gap - 1, 4, 4, 4])[0])
-    # window = gap: not farther than W -> near
-    assert list(got) == ["identifier_near", "identifier_near", "closer_in_replay",
-                         "closer_before_replay", "other"]
-    assert classify(ann, np.array([second_alpha]), 0, gap - 1)[0] == "identifier_far"
-    assert [group_of(c) for c in ("identifier_far", "identifier_near", "closer_in_replay",
-                                  "closer_before_replay", "other")] == [
-        "identifier_far", "other", "other", "closer_before_replay", "other"]
+    opener = int(ann.opener[close])
+
+    def one(position, start, window=4, visible=0):
+        return classify(ann, np.array([position]), start, window, visible)[0]
+    assert one(second, start=0, window=gap) == "identifier_near"          # not beyond W
+    assert one(second, start=0, window=gap - 1) == "identifier_far_in_replay"
+    assert one(second, start=first + 1, window=gap - 1) == "identifier_far"
+    assert one(second, start=first + 1, window=gap - 1, visible=first + 1) == \
+        "evidence_outside_row"                                             # never shown
+    assert one(close, start=opener) == "closer_in_replay"
+    assert one(close, start=opener + 1) == "closer_before_replay"
+    assert one(close, start=opener + 1, visible=opener + 1) == "evidence_outside_row"
+    assert one(0, start=0) == "other"
+    # per-position arrays broadcast
+    got = classify(ann, np.array([second, close]), np.array([first + 1, opener]), gap - 1,
+                   np.array([0, 0]))
+    assert list(got) == ["identifier_far", "closer_in_replay"]
+    assert {group_of(c) for c in CLASSES} == {"identifier_far", "closer_before_replay", "other"}
+    assert [c for c in CLASSES if group_of(c) != "other"] == ["identifier_far",
+                                                             "closer_before_replay"]
     with pytest.raises(ValueError, match="not one of"):
         group_of("bracket")
+
+
+def test_names_in_comments_and_strings_count_as_occurrences_and_a_bom_shifts_line_one():
+    src = b"import os\n# gamma here\nx = 'delta'\ngamma = delta = 1\n"
+    ann = annotate(src)
+    gamma, delta = src.index(b"gamma ="), src.index(b"delta =")
+    assert gamma - ann.name_gap[gamma] == src.index(b"gamma here")        # the comment
+    assert delta - ann.name_gap[delta] == src.index(b"delta'")            # the string
+    bom = codecs.BOM_UTF8 + b"if a:\n    b = a\n"
+    ann = annotate(bom)
+    assert ann.name_start[bom.index(b"a:")] == bom.index(b"a:")
+    assert ann.name_gap[bom.index(b"a\n", 9)] == bom.index(b"a\n", 9) - bom.index(b"a:")
 
 
 @pytest.mark.parametrize("row_len,context", [(16, 3), (9, 0), (32, 30)])
@@ -152,14 +174,24 @@ def test_cluster_bootstrap_hand_cases():
     low, high = real_text.cluster_bootstrap([[[2.0, 4], [1.0, 2], [3.0, 6]]], resamples=200)
     assert low == pytest.approx(0.5) and high == pytest.approx(0.5)
     # one model, two one-token files 0 and 1: replicates are 0, 1/2, 1 with 1/4, 1/2, 1/4
-    rng_low, rng_high = real_text.cluster_bootstrap([[[0.0, 1], [1.0, 1]]], resamples=4000,
-                                                    confidence=0.4)
-    assert (rng_low, rng_high) == (0.5, 0.5)
+    assert real_text.cluster_bootstrap([[[0.0, 1], [1.0, 1]]], resamples=4000,
+                                       confidence=0.4) == (0.5, 0.5)
     # two models whose files agree within a model: the interval spans the two model means
     low, high = real_text.cluster_bootstrap([[[0.0, 2], [0.0, 3]], [[4.0, 2], [2.0, 1]]],
                                             resamples=4000)
     assert low == pytest.approx(0.0) and high == pytest.approx(2.0)
     assert all(math.isnan(v) for v in real_text.cluster_bootstrap([[[0.0, 0]]]))
+
+
+def test_models_reading_the_same_files_do_not_narrow_the_file_spread():
+    """Files and models are crossed: three identical models give about the interval of one
+    (resampling files per model would shrink it by about sqrt(3))."""
+    rng = np.random.default_rng(0)
+    counts = rng.integers(2000, 20000, 38).astype(float)
+    one = np.stack([rng.gamma(1.0, 1.0, 38) * 1e-2 * counts, counts], -1)
+    width = np.diff(real_text.cluster_bootstrap([one], resamples=3000))[0]
+    width3 = np.diff(real_text.cluster_bootstrap([one, one, one], resamples=3000))[0]
+    assert 0.85 < width3 / width < 1.15
 
 
 def test_ngram_baselines_against_direct_counts():
@@ -231,6 +263,11 @@ def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
     (run / "config.yaml").write_text("data:\n  kind: synthetic\n")
     assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "x")]) == 2
     assert "data kind 'synthetic'" in capsys.readouterr().err
+    # a context shorter than R_exact + G (7 + 4 here) is refused, naming the flag
+    (run / "config.yaml").write_text((dense / "config.yaml").read_text())
+    assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "z"),
+                           "--context", "10"]) == 2
+    assert "--context: 10 is shorter than R_exact + G = 7 + 4" in capsys.readouterr().err
 
 
 # ---- the lm-eval code tasks (evals.lmeval.code_tasks) ---------------------------------------
@@ -288,3 +325,15 @@ def test_code_tasks_are_written_as_an_lm_eval_group(tmp_path):
     assert not {(r["file"], r["byte"]) for r in rows} & {(r["file"], r["byte"]) for r in turn}
     with pytest.raises(ValueError, match="no point qualifies"):
         write_code_tasks(tmp_path / "none", files, context=60, min_distance=500, examples=5)
+
+
+def test_dedent_documents_skip_a_comment_that_gives_the_level_away():
+    from evals.lmeval.code_tasks import dedent_choices
+    src = b"def f():\n    if x:\n        y = 1\n    # back at 4\n    z = 2\n"
+    ann = annotate(src)
+    z = src.index(b"z = 2")
+    assert ann.closer_kind[z] == 2 and ann.levels[z] == (0, 4, 8)
+    assert dedent_choices(src, ann, z) is None
+    plain = src.replace(b"    # back at 4\n", b"")
+    ann = annotate(plain)
+    assert dedent_choices(plain, ann, plain.index(b"z = 2")) == (["z", "    z", "        z"], 1)
