@@ -10,14 +10,20 @@ of `evals.findings` and `evals.depth` need, as a skeleton study directory:
     suite/<job>/seed<k>/cells.csv      per family x x x mode: n examples, how many `full` and
                                        the mode answered right, the discordant pairs
                                        (full_only, mode_only) and the mean KL at the answer
+    suite/<job>/seed<k>/outcomes.csv.gz  per example and mode: its id, family, x, whether the
+                                       answer was right and the KL at the answer (tens of
+                                       kilobytes): the per-document record a bootstrap over
+                                       documents shared by the models needs (archived from
+                                       2026-12-04 on; older models have cells only)
     suite/<job>/seed<k>/summary.json   the suite run's checkpoint, model config and settings
                                        (W, R_exact, ...), without its tables
     runs/<job>/seed<k>/config.yaml     the training config (L_d, arm)
     summary.json                       the driver's invocations (command, commit, time) and
                                        step times, merged over every archived study directory
 
-`evals.findings.load_results` reads `cells.csv` where there is no `results.csv`, expanding each
-cell into paired examples with the same counts (`expand_cells`): every paired statistic
+`evals.findings.load_results` reads `outcomes.csv.gz` where there is no `results.csv` (the
+same per-example rows, without the prompts), else `cells.csv`, expanding each cell into
+paired examples with the same counts (`expand_cells`): every paired statistic
 (accuracy, McNemar, Agresti-Min, Holm, the hierarchical bootstrap, failures, N*) is unchanged;
 the answer KL keeps its per-model mean, so its example-level bootstrap CI is not available from
 an archive (it comes out as a point). Archiving a model twice replaces its files.
@@ -35,6 +41,8 @@ import numpy as np
 import pandas as pd
 
 CELLS = "cells.csv"
+OUTCOMES = "outcomes.csv.gz"
+OUTCOME_COLUMNS = ["id", "family", "x", "mode", "correct", "kl_answer"]
 FULL = "full"
 
 
@@ -86,9 +94,12 @@ def archive(study: Path, into: Path) -> list[str]:
         label = f"{results.parent.parent.name}/{results.parent.name}"
         target = into / "suite" / label
         target.mkdir(parents=True, exist_ok=True)
-        cells = cells_of(pd.read_csv(results, dtype={"x": str, "target": str,
-                                                     "prediction": str}, low_memory=False))
-        cells.to_csv(target / CELLS, index=False, float_format="%.6g")
+        table = pd.read_csv(results, dtype={"x": str, "target": str, "prediction": str},
+                            low_memory=False)
+        cells_of(table).to_csv(target / CELLS, index=False, float_format="%.6g")
+        outcomes = table[[c for c in OUTCOME_COLUMNS if c in table]].assign(
+            correct=table["correct"].astype(bool).astype(int))
+        outcomes.to_csv(target / OUTCOMES, index=False, float_format="%.6g")
         # the suite run's identity and settings, not its tables (the cells hold those)
         run = json.loads((results.parent / "summary.json").read_text()).get("run", {})
         keep = {k: run[k] for k in ("checkpoint", "config", "settings", "examples", "modes",

@@ -106,11 +106,12 @@ def paired_difference(b: int, c: int, n: int) -> tuple[float, float, float]:
 
 def load_results(study: Path) -> pd.DataFrame:
     """Every suite results.csv of the study, with columns job, seed (training seed) and run;
-    a model archived by `evals.archive` (cells.csv, no results.csv) is expanded into paired
-    examples with the same counts."""
-    from evals.archive import CELLS, expand_cells
+    a model archived by `evals.archive` is read from its per-example outcomes.csv.gz, or (an
+    older archive) its cells.csv expanded into paired examples with the same counts."""
+    from evals.archive import CELLS, OUTCOMES, expand_cells
     frames = []
     paths = {p.parent: p for p in (study / "suite").glob(f"*/seed*/{CELLS}")}
+    paths.update({p.parent: p for p in (study / "suite").glob(f"*/seed*/{OUTCOMES}")})
     paths.update({p.parent: p for p in (study / "suite").glob("*/seed*/results.csv")})
     for path in sorted(paths.values()):
         label = f"{path.parent.parent.name}/{path.parent.name}"

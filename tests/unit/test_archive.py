@@ -9,7 +9,7 @@ import random
 import pandas as pd
 import pytest
 
-from evals.archive import archive, cells_of, expand_cells
+from evals.archive import OUTCOMES, archive, cells_of, expand_cells
 from evals.findings import capability_drop_table, load_results
 from evals.per_model import model_drops
 
@@ -77,6 +77,19 @@ def test_archives_from_two_sessions_read_as_one_study(tmp_path):
     want = capability_drop_table(original)
     assert drops["difference"].tolist() == pytest.approx(want["difference"].tolist())
     assert (into / "runs" / "L20" / "seed0" / "config.yaml").exists()
+    # the per-example outcomes come back as they were: ids aligned across models
+    cols = ["id", "family", "x", "mode", "correct"]
+    for run in ("L2/seed0", "L2/seed1"):
+        mine = merged[merged["run"] == run][cols].sort_values(["id", "mode"]).reset_index(drop=True)
+        theirs = original[original["run"] == run][cols].sort_values(["id", "mode"]).reset_index(
+            drop=True)
+        pd.testing.assert_frame_equal(mine, theirs, check_dtype=False)
+    # an older archive (cells only) still reads, with the same paired counts
+    for outcomes in into.rglob(OUTCOMES):
+        outcomes.unlink()
+    cells_only = load_results(into)
+    old = capability_drop_table(cells_only[cells_only["run"].isin(["L2/seed0", "L2/seed1"])])
+    assert old["difference"].tolist() == pytest.approx(want["difference"].tolist())
     invocations = json.loads((into / "summary.json").read_text())["invocations"]
     assert [i["command"] for i in invocations] == ["run a", "run b"]
 
