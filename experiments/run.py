@@ -611,7 +611,14 @@ class Study:
         from ced.checkpoint import load_config
         root = self.out / "real_text" / "lm_eval"
         current: list[Path] = []        # the runs of this spec and these checkpoints only
+        unknown = sorted(set(spec.lm_eval_jobs or []) - {j.name for j in self.spec.jobs})
+        if unknown:
+            self.record("lm_eval", "failed", error=f"real_text.lm_eval_jobs: no job(s) "
+                        f"{unknown} in study {self.spec.name}")
+            return
         for label, (final, trained) in self.checkpoints(all_jobs=True).items():
+            if spec.lm_eval_jobs is not None and label.split("/")[0] not in spec.lm_eval_jobs:
+                continue
             cfg = load_config(final)
             replays = cfg.has_decoder and not cfg.traits.exact_early_exit
             tasks = root / label / "tasks"

@@ -88,6 +88,7 @@ class RealTextSpec:
     lm_eval_context: int = 384
     lm_eval_min_distance: Any = "2W"
     lm_eval_batch_size: int = 16
+    lm_eval_jobs: Optional[List[str]] = None   # null: every job; else only these jobs' models
 
 
 @dataclass

@@ -74,7 +74,7 @@ def test_bad_mode_strings_are_one_line_errors_naming_the_key(text, message):
     ({"mode": "replay=x"}, f"mode 'replay=x': {FORMS} 'x'"),
     ({"turn": "two", "replay": "4"}, "turn must be an int >= 1; got 'two'"),
     ({"max_gen_toks": "many"}, "max_gen_toks must be an int >= 1"),
-    ({"topk": "lots"}, "ced: invalid literal"),
+    ({"topk": "lots"}, "ced: topk: an int >= 1 or 'all'; got 'lots'"),
 ])
 def test_lm_eval_model_args_are_checked(checkpoint, args, message):
     from evals.lmeval.model import CEDLM, ModelArgsError

@@ -57,25 +57,25 @@ def test_the_tiny_study_trains_and_reads_real_text(study):
 
 
 def test_the_code_tasks_run_through_lm_eval_for_every_mode(study):
-    """lm-eval ran the group ced_code per model (ced at full and replay=W; yoco and dense at
-    full only); lm_eval.csv pairs every mode with full on the same documents. (The tiny scale
-    runs no turn mode: each lm-eval start costs seconds; tests/integration/test_lm_eval.py
-    reads the turn policies through lm-eval.)"""
+    """lm-eval ran the group ced_code for the jobs asked (lm_eval_jobs: ced_L2 at full and
+    replay=W, dense at full only); lm_eval.csv pairs every mode with full on the same
+    documents. (The tiny scale runs two jobs and no turn mode: each lm-eval start costs
+    seconds; tests/integration/test_lm_eval.py reads the turn policies through lm-eval.)"""
     out, _ = study
     steps = json.loads((out / "summary.json").read_text())["steps"]
     assert steps["lm_eval"]["state"] == "ok"
     ok = sorted(k for k, v in steps.items() if k.startswith("lm_eval/") and v["state"] == "ok")
     runs = [k for k in ok if "/ced_code/" in k]
-    assert len(runs) == 2 * 2 + 2, runs
-    assert len(ok) - len(runs) == 4                  # each model's tasks, written once
+    assert len(runs) == 2 + 1, runs
+    assert len(ok) - len(runs) == 2                  # each model's tasks, written once
     drops = pd.read_csv(out / "real_text" / "lm_eval.csv")
     assert set(drops["family"]) == {"code_identifier", "code_close", "code_dedent"}
     assert set(drops["mode"]) == {"replay=W"}
-    assert set(drops["job"]) == {"ced_L2", "ced_L8"}
+    assert set(drops["job"]) == {"ced_L2"}
     pooled = drops[drops["x"] == "all"]
     assert (pooled["n"] == 4).all()           # lm_eval_examples: 4 documents per task
     accuracy = pd.read_csv(out / "real_text" / "lm_eval_accuracy.csv")
-    assert {"yoco", "dense"} <= set(accuracy["job"])
+    assert set(accuracy["job"]) == {"ced_L2", "dense"}
 
 
 def test_a_second_run_skips_the_step(study):
