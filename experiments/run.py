@@ -669,7 +669,8 @@ class Study:
             return
         if out.exists():
             shutil.rmtree(out)
-        model_args = f"checkpoint={final},mode={mode.replace(',', ';')}"
+        # the code tasks' contexts start mid-file: no BOS, as training rows had none there
+        model_args = f"checkpoint={final},mode={mode.replace(',', ';')},bos=false"
         cmd = [sys.executable, "-m", "evals.lmeval", "--model", "ced", "--device", "cpu",
                "--model_args", model_args, "--batch_size", str(batch_size),
                "--include_path", str(tasks), "--tasks", group, "--log_samples",

@@ -1,12 +1,14 @@
 """lm-eval tasks from held-out Python files: where bounded replay could hurt a code model.
 
     python -m evals.lmeval write-code-tasks --checkpoint RUN/final --out /tmp/code_tasks
-    python -m evals.lmeval --model ced --model_args checkpoint=RUN/final,replay=W \
-        --tasks /tmp/code_tasks/ced_code.yaml --log_samples --output_path OUT
+    python -m evals.lmeval --model ced --model_args checkpoint=RUN/final,replay=W,bos=false \
+        --include_path /tmp/code_tasks --tasks ced_code --log_samples --output_path OUT
 
 Documents come from the validation files of `data=stdlib` (the files the checkpoint never
 trained on; its run's validation_fraction), annotated by `evals.code_tokens`; every context is
-the `--context` bytes before the point (lm-eval's adapter prepends BOS), and every document
+the `--context` bytes before the point, which starts mid-file: read it with model_args
+bos=false (the real_text study does), as training rows that start mid-file had no BOS; every
+document
 records its file, byte offset and `distance`: how far back (in bytes, from the context's end)
 the evidence lies. Only points whose evidence lies more than `--min-distance` bytes back
 (default 2W: before the replay start of every N <= 2W) and inside the context are kept.

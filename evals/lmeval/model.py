@@ -6,13 +6,15 @@
                 last `turn` tokens being a new turn on a cached prefix (docs/semantics.md 4.3),
                 mode (instead of the above: an evals.modes string, ';' for ','),
                 topk (int | all: override the checkpoint's top-k), dtype (float32 | float64),
-                batch_size, max_gen_toks (default 256); the device comes from lm_eval's
+                batch_size, max_gen_toks (default 256), bos (true | false, default true: false
+                for contexts that start mid-document); the device comes from lm_eval's
                 --device (cuda:0 by default there: falls back to cpu when CUDA is absent)
 
 Every request runs through `evals.modes.mode_logits` / `InferenceEngine`: prefill of the context
 with the configured replay (or prefix cache + `extend` for a turn mode), then the continuation
 teacher-forced through decode steps; never one full forward. Tokens are `ced.data.ByteTokenizer`
-bytes, and every context gets BOS prepended ([BOS] + context bytes, as in `ced.data`).
+bytes, and every context gets BOS prepended ([BOS] + context bytes, as in `ced.data`) unless
+bos=false (an empty context always gets one).
 
   loglikelihood          sum of log p(continuation bytes) and whether every byte is the argmax
                          (lm-eval's `acc` on a loglikelihood task is then teacher-forced exact
@@ -49,7 +51,7 @@ _TOK = ByteTokenizer()
 # --batch_size, --max_batch_size). Anything else is a typo and an error: ignoring it would
 # score another mode than the one asked for, with exit status 0.
 MODEL_ARGS = ("checkpoint", "replay", "turn", "policy", "encoder_replay", "prefix_cache", "mode",
-              "topk", "dtype", "device", "batch_size", "max_batch_size", "max_gen_toks")
+              "topk", "dtype", "device", "batch_size", "max_batch_size", "max_gen_toks", "bos")
 
 
 class ModelArgsError(ValueError):
@@ -90,7 +92,8 @@ class CEDLM(LM):
     def __init__(self, checkpoint: str | None = None, replay=None, turn=None, policy=None,
                  encoder_replay=None, prefix_cache=None, mode: str | None = None, topk=None,
                  dtype: str = "float32", device: str | None = "cpu", batch_size=16,
-                 max_batch_size=None, max_gen_toks: int = 256, model=None, **unused) -> None:
+                 max_batch_size=None, max_gen_toks: int = 256, bos=True, model=None,
+                 **unused) -> None:
         super().__init__()
         from evals.suites.runner import load_checkpoint, make_engine
 
@@ -104,6 +107,9 @@ class CEDLM(LM):
         if max_gen_toks < 1:
             raise ModelArgsError(f"ced: model_args max_gen_toks must be an int >= 1; got "
                                  f"{max_gen_toks!r}")
+        # false: contexts that start mid-document (the code tasks) get no BOS, as training
+        # rows that start mid-file had none; an empty context still gets one
+        self.bos = _flag(bos, "bos")
         try:
             self.mode_name = build_mode(replay, turn, policy, encoder_replay, prefix_cache, mode)
             self.mode: Mode = parse_mode(self.mode_name)
@@ -160,6 +166,12 @@ class CEDLM(LM):
                 "ced_variant": self.cfg.variant, "ced_topk": self.cfg.topk}
 
     # ---- scoring -----------------------------------------------------------------------------
+    def _start(self, context: str) -> list[int]:
+        """The context's token ids: BOS first (model_args bos, default true; always for an
+        empty context, which has nothing else to prefill)."""
+        ids = _TOK.encode(context)
+        return [_TOK.bos] + ids if self.bos or not ids else ids
+
     def _truncate(self, ctx: list[int], room: int) -> list[int]:
         """Keep BOS and the last tokens so that len(ctx) <= room."""
         if room < 1:
@@ -202,7 +214,7 @@ class CEDLM(LM):
         return out  # type: ignore[return-value]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [([_TOK.bos] + _TOK.encode(ctx), _TOK.encode(cont))
+        pairs = [(self._start(ctx), _TOK.encode(cont))
                  for ctx, cont in (r.args for r in requests)]
         results = self.score(pairs)
         for r, res in zip(requests, results):
@@ -241,7 +253,7 @@ class CEDLM(LM):
             max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
             if kwargs.get("do_sample") or float(kwargs.get("temperature", 0) or 0) > 0:
                 log.warning("ced: sampling requested; generating greedily")
-            ctx = self._truncate([_TOK.bos] + _TOK.encode(context),
+            ctx = self._truncate(self._start(context),
                                  self.cfg.max_seq_len - max_new + 1)
             prepared.append((ctx, until, max_new))
             groups[(len(ctx), max_new)].append(i)
@@ -260,6 +272,14 @@ class CEDLM(LM):
     def _greedy(self, ctx: torch.Tensor, max_new: int, untils: list[list[str]]) -> list[list[int]]:
         """Greedy tokens under the configured mode; EOS and stop strings are cut by `_cut`."""
         return mode_generate(self.engine, ctx, max_new, self.mode).tolist()
+
+
+def _flag(value, key: str) -> bool:
+    """A boolean model_arg: true/false/1/0 (any case), else a one-line error naming `key`."""
+    flag = str(value).lower()
+    if flag not in ("true", "false", "1", "0"):
+        raise ModelArgsError(f"ced: model_args {key} must be true or false; got {value!r}")
+    return flag in ("true", "1")
 
 
 def _cut(tokens: list[int], until: list[str]) -> str:

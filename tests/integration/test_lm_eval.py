@@ -27,6 +27,7 @@ from ced.checkpoint import save_model  # noqa: E402
 from ced.data import ByteTokenizer  # noqa: E402
 from conftest import make_model, tiny_config  # noqa: E402
 from evals.lmeval import CEDLM, build_mode  # noqa: E402
+from evals.lmeval.model import ModelArgsError  # noqa: E402
 from evals.lmeval.tasks import write_tasks  # noqa: E402
 from evals.modes import exact_logits, mode_logits, parse_mode  # noqa: E402
 from evals.suites import (FAMILIES, SuiteSettings, build_documents, evaluate_documents,  # noqa: E402
@@ -100,6 +101,24 @@ def test_loglikelihood_is_the_engines(checkpoint, model, args, mode):
     for (context, continuation), (ll, greedy) in zip(pairs, got):
         want_ll, want_greedy = engine_ll(model, context, continuation, mode)
         assert abs(ll - want_ll) < TOL and greedy == want_greedy
+
+
+def test_bos_false_scores_the_context_as_it_stands(checkpoint, model):
+    """model_args bos=false: a context that starts mid-document gets no BOS (the engine on
+    the bare bytes), an empty one still does; a bad value is one line naming the key."""
+    lm = CEDLM(checkpoint=str(checkpoint), dtype="float64", replay=5, bos="false")
+    got = lm.loglikelihood(requests("loglikelihood", PAIRS))
+    engine = make_engine(model, [5])
+    for (context, continuation), (ll, _) in zip(PAIRS, got):
+        ids = TOK.encode(context) or [TOK.bos]
+        cont = torch.tensor([TOK.encode(continuation)])
+        logits = mode_logits(engine, torch.tensor([ids]), cont, parse_mode("replay=5")).double()
+        want = float(torch.log_softmax(logits, -1).gather(-1, cont[..., None]).sum())
+        assert abs(ll - want) < TOL
+    with_bos = CEDLM(checkpoint=str(checkpoint), dtype="float64", replay=5)
+    assert with_bos.loglikelihood(requests("loglikelihood", PAIRS[:1]))[0][0] != got[0][0]
+    with pytest.raises(ModelArgsError, match=r"^ced: model_args bos must be true or false"):
+        CEDLM(checkpoint=str(checkpoint), bos="maybe")
 
 
 def test_exact_replay_loglikelihood_is_the_full_forward_and_bounded_is_not(checkpoint, model):
