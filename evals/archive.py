@@ -13,8 +13,8 @@ of `evals.findings` and `evals.depth` need, as a skeleton study directory:
     suite/<job>/seed<k>/outcomes.csv.gz  per example and mode: its id, family, x, whether the
                                        answer was right and the KL at the answer (tens of
                                        kilobytes): the per-document record a bootstrap over
-                                       documents shared by the models needs (archived from
-                                       2026-12-04 on; older models have cells only)
+                                       documents shared by the models needs (an older
+                                       archive may have cells only)
     suite/<job>/seed<k>/summary.json   the suite run's checkpoint, model config and settings
                                        (W, R_exact, ...), without its tables
     runs/<job>/seed<k>/config.yaml     the training config (L_d, arm)

@@ -151,6 +151,17 @@ def distances(row_len: int, starts: torch.Tensor) -> torch.Tensor:
 
 # ---- scoring one model ------------------------------------------------------------------------
 
+def next_tokens(ids: torch.Tensor) -> torch.Tensor:
+    """LongTensor [R, L]: the token each position predicts (PAD after the row's last; that
+    position is never scored)."""
+    return torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), _TOK.pad)], 1)
+
+
+def nll_of(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) per position: log_probs [R, L, V], targets [R, L] -> [R, L]."""
+    return -log_probs.gather(-1, targets[..., None])[..., 0]
+
+
 @torch.no_grad()
 def score(model, rows: Rows, period: int, passes: int, batch_size: int = 8) -> dict[str, np.ndarray]:
     """Per scored byte and pass: KL(exact || replay) and the NLL under each, with the byte's
@@ -161,7 +172,7 @@ def score(model, rows: Rows, period: int, passes: int, batch_size: int = 8) -> d
     offsets = sorted({round(p * period / passes) for p in range(passes)})
     for b0 in range(0, rows.ids.shape[0], batch_size):
         ids = rows.ids[b0:b0 + batch_size]
-        targets = torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), _TOK.pad)], 1)
+        targets = next_tokens(ids)
         lp_exact = torch.log_softmax(model(ids).double(), -1)
         for p, offset in enumerate(offsets):
             starts = replay_starts(length, period, offset)
@@ -170,8 +181,7 @@ def score(model, rows: Rows, period: int, passes: int, batch_size: int = 8) -> d
             lp = torch.log_softmax(
                 model(ids, decoder_replay_start=starts.expand(ids.shape[0], -1)).double(), -1)
             kl = (lp_exact.exp() * (lp_exact - lp)).sum(-1).clamp_min(0.0)
-            nll_e = -lp_exact.gather(-1, targets[..., None])[..., 0]
-            nll_r = -lp.gather(-1, targets[..., None])[..., 0]
+            nll_e, nll_r = nll_of(lp_exact, targets), nll_of(lp, targets)
             r, i = keep.nonzero(as_tuple=True)
             latest = starts[torch.searchsorted(starts, i, right=True) - 1]
             columns["pass"].append(torch.full_like(r, p))
@@ -341,9 +351,8 @@ def exact_nll(model, rows: Rows, batch_size: int = 8) -> np.ndarray:
     out = []
     for b0 in range(0, rows.ids.shape[0], batch_size):
         ids = rows.ids[b0:b0 + batch_size]
-        targets = torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), _TOK.pad)], 1)
         lp = torch.log_softmax(model(ids).double(), -1)
-        out.append(-lp.gather(-1, targets[..., None])[..., 0][rows.scored[b0:b0 + batch_size]])
+        out.append(nll_of(lp, next_tokens(ids))[rows.scored[b0:b0 + batch_size]])
     return torch.cat(out).numpy()
 
 
@@ -410,7 +419,7 @@ def baselines(fraction: float, rows: Rows) -> dict[str, float]:
     """Unigram and bigram NLL on the scored bytes of `rows`, counted on the train split."""
     from ced.data.corpora import stdlib_streams
     train = stdlib_streams(fraction)["train"].numpy().astype(np.int64)
-    targets = torch.cat([rows.ids[:, 1:], rows.ids[:, -1:]], 1)[rows.scored].numpy()
+    targets = next_tokens(rows.ids)[rows.scored].numpy()
     previous = rows.ids[rows.scored].numpy()
     return ngram_nll(train, targets, previous)
 
