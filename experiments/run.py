@@ -146,6 +146,12 @@ def source_version() -> dict[str, Any]:
         return {}
 
 
+def _describe_source(source: dict) -> str:
+    """'commit 1a2b3c4' or 'commit 1a2b3c4 with uncommitted edits', for a warning."""
+    commit = str(source.get("commit") or "?")[:7]
+    return f"commit {commit}" + (" with uncommitted edits" if source.get("dirty") else "")
+
+
 def describe_change(old: list[str], new: list[str]) -> str:
     """The overrides that differ between two normalised lists, as one short line."""
     removed = [o for o in old if o not in new]
@@ -293,6 +299,19 @@ class Study:
 
     # bookkeeping
     def record(self, key: str, state: str, **info: Any) -> None:
+        """Set one step's entry in summary.json. A step that ran (ok or failed) also records
+        the commit of the code it ran: each step is a fresh process that imports the checkout
+        as it is at that moment, so a commit or an edit made while a study runs changes what
+        its later steps run. Such a step is flagged `source_changed` and announced."""
+        if state in ("ok", "failed"):
+            source = source_version()
+            info = {**info, "source": source}
+            started = {k: self.invocation.get(k) for k in ("commit", "dirty")}
+            if source and source != started:
+                info["source_changed"] = True
+                banner(f"warning: {key} ran {_describe_source(source)}, but this study started "
+                       f"at {_describe_source(started)}: the checkout changed while it ran "
+                       "(run long studies from a checkout nobody edits: docs/studies.md)")
         self.status[key] = {"state": state, **info}
         self.write_summary()
 
