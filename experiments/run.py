@@ -184,13 +184,13 @@ def resolve_lengths(values: list, cfg) -> list:
     return out
 
 
-def suite_arguments(spec, ref, own, topk: Any = None, kv: Any = None) -> list[str]:
-    """The `python -m evals.suites` options of one suite step (everything but checkpoint, out
-    and threads): a study's `suite:` spec (`experiments.study.SuiteSpec`) with its replay
-    lengths and turns resolved against the checkpoint's own config `own` (W forms and R_exact
-    mean its own window and R_exact, so a study over several W reads each model at its own
-    N = W), its distances against the reference config `ref` (every model of a study read at
-    the same distances), and one eval-time top-k / KV storage override."""
+def suite_options(spec, ref, own, topk: Any = None, kv: Any = None) -> dict[str, Any]:
+    """The `evals.suites.runner.SuiteConfig` fields of one suite step (all but checkpoint, out,
+    threads and wandb): a study's `suite:` spec (`experiments.study.SuiteSpec`) with its
+    replay lengths and turns resolved against the checkpoint's own config `own` (W forms and
+    R_exact mean its own window and R_exact, so a study over several W reads each model at its
+    own N = W), its distances against the reference config `ref` (every model of a study read
+    at the same distances), its `options`, and one eval-time top-k / KV storage override."""
     # A model without a decoder is run in `full` only; its replays (a required option) are
     # the reference's, as its own would drop R_exact.
     replays = [v for v in resolve_lengths(list(spec.replay), own if own.has_decoder else ref)
@@ -198,24 +198,23 @@ def suite_arguments(spec, ref, own, topk: Any = None, kv: Any = None) -> list[st
     if spec.below_exact and own.has_decoder:
         from ced import exact_replay_length
         replays = [v for v in replays if v < exact_replay_length(own)] or replays[:1]
-    settings = ["--replay", *map(str, replays), "--examples", str(spec.examples),
-                *[str(a) for a in spec.args]]
+    options: dict[str, Any] = {**spec.options, "replays": [str(v) for v in replays],
+                               "examples": spec.examples}
     if spec.families:
-        settings += ["--families", *spec.families]
+        options["families"] = list(spec.families)
     if spec.turns:
-        settings += ["--turns", *map(str, resolve_lengths(list(spec.turns), own))]
+        options["turns"] = resolve_lengths(list(spec.turns), own)
     if spec.sweep_replay:
-        sweep = [v for v in resolve_lengths(list(spec.sweep_replay),
-                                            own if own.has_decoder else ref) if v != "exact"]
-        settings += ["--sweep-replays", *map(str, sweep)]
+        options["sweep_replays"] = [str(v) for v in resolve_lengths(
+            list(spec.sweep_replay), own if own.has_decoder else ref) if v != "exact"]
     if spec.distances:
-        distances = [d for d in resolve_lengths(list(spec.distances), ref) if d != "exact"]
-        settings += ["--distances", *map(str, distances)]
+        options["distances"] = [d for d in resolve_lengths(list(spec.distances), ref)
+                                if d != "exact"]
     if topk is not None:
-        settings += ["--topk", str(topk)]
+        options["topk"] = str(topk)
     if kv is not None:
-        settings += ["--kv", str(kv)]
-    return settings
+        options["kv"] = str(kv)
+    return options
 
 
 def stream(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
@@ -568,7 +567,7 @@ class Study:
         banner(f"divergence: {len(usable)} checkpoints, N={config['replays']}, "
                f"T={config.get('lengths')}")
         t0 = time.time()
-        code, tail = stream([sys.executable, "-m", "experiments.divergence_job",
+        code, tail = stream([sys.executable, "-m", "experiments.job", "divergence",
                              str(out / "config.json"), str(self.threads)],
                             self.out / "logs" / "divergence.log", self.env)
         secs = round(time.time() - t0, 1)
@@ -728,19 +727,22 @@ class Study:
                 label = (run_label + ("" if topk is None else f"@topk={topk}")
                          + ("" if kv is None else f"@kv={kv}"))
                 key, out = f"suite/{label}", self.out / "suite" / label
-                settings = suite_arguments(spec, ref, own, topk=topk, kv=kv)
-                digest = config_hash({"settings": settings, "trained": trained})
+                options = suite_options(spec, ref, own, topk=topk, kv=kv)
+                digest = config_hash({"suite": options, "trained": trained})
                 if self._fresh(f"suite {label}", out, out / "summary.json", digest):
                     self.record(key, "skipped", out=str(out), hash=digest)
                     continue
                 (out / STAMP).unlink(missing_ok=True)
                 # the driver decides reruns itself (by hash), so it may replace what is there
-                cmd = [sys.executable, "-m", "evals.suites", "--checkpoint", str(final),
-                       "--out", str(out), "--threads", str(self.threads), "--overwrite",
-                       *settings]
-                cmd += (["--wandb-project", self.project, "--wandb-group", self.group]
-                        if self.wandb else ["--no-wandb"])
-                banner(f"suite {label}: N={settings[1:settings.index('--examples')]}")
+                job = {**options, "checkpoint": str(final), "out": str(out), "overwrite": True,
+                       "wandb": self.wandb, "wandb_project": self.project,
+                       "wandb_group": self.group}
+                config_file = self.out / "logs" / f"suite_{label.replace('/', '_')}.json"
+                config_file.parent.mkdir(parents=True, exist_ok=True)
+                config_file.write_text(json.dumps(job, indent=1))
+                cmd = [sys.executable, "-m", "experiments.job", "suite", str(config_file),
+                       str(self.threads)]
+                banner(f"suite {label}: N={options['replays']}")
                 t0 = time.time()
                 log = self.out / "logs" / f"suite_{label.replace('/', '_')}.log"
                 code, tail = stream(cmd, log, self.env)

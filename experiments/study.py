@@ -60,7 +60,9 @@ class SuiteSpec:
     # is always run, stands for them): a grid such as W ... 16W then stops at every model's own
     # R_exact
     below_exact: bool = False
-    args: List[str] = field(default_factory=list)              # passed through verbatim
+    # any other field of evals.suites.runner.SuiteConfig, as it is named there, e.g.
+    # {state_length: 160, needle_distractors: 17}; checked against those fields on load
+    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -291,6 +293,25 @@ def _check_suite_values(suite: SuiteSpec, where: str) -> None:
                 or (text is not None and is_window_form(text))):
             raise StudyError(f"{where}suite.distances[{i}]: expected an int >= 1, a W form "
                              f"(W, W/4, 2W) or R_exact; got {d!r}")
+    from evals.cli import unknown_keys
+    from evals.suites.runner import SuiteConfig
+    # the keys the driver sets itself from the spec's own fields or per step
+    driven = {"checkpoint", "out", "replays", "examples", "families", "turns", "distances",
+              "sweep_replays", "topk", "kv", "threads", "wandb", "wandb_project",
+              "wandb_group", "overwrite"}
+    bad = unknown_keys(SuiteConfig, list(suite.options)) + sorted(set(suite.options) & driven)
+    if bad:
+        allowed = sorted(f for f in SuiteConfig.__dataclass_fields__ if f not in driven)
+        raise StudyError(f"{where}suite.options: {bad} cannot be set here; allowed: "
+                         f"{', '.join(allowed)} (replays, turns, distances, top-k and kv have "
+                         "their own suite keys)")
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:                    # each value against its field's type, before any model
+        OmegaConf.merge(OmegaConf.structured(SuiteConfig), dict(suite.options))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        raise StudyError(f"{where}suite.options.{key}: {str(exc).splitlines()[0]}") from None
     from ced.quant import parse_kv_override
     for i, spec in enumerate(suite.kv):
         if spec is not None:

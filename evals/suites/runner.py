@@ -28,7 +28,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, List, Optional
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ from ced.checkpoint import load_model
 from ced.config import default_hidden_tail, parse_replay_form, replay_length, resolve_replay
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
+from evals.cli import option
 from evals.modes import Mode, mode_logits, parse_mode
 
 from .families import FAMILIES, SuiteSettings, build_documents, prompt_ids, target_ids, write_jsonl
@@ -309,62 +310,114 @@ def format_table(summary: list[dict], drops: list[dict], width: int = 9) -> str:
     return "\n".join(lines)
 
 
-def run_suite(checkpoint: str | Path, replays: Iterable[int], out: str | Path, examples: int = 50,
-              families: Iterable[str] | None = None, turns: Iterable[int] = (),
-              batch_size: int = 64, dtype: str = "float32", device: str = "cpu",
-              topk: int | str | None = None, kv: str | None = None,
-              extra_distances: Iterable[int] = (),
-              max_length: int | None = None, needle_distractors: int | None = None,
-              sweep_replays: Iterable[int] | None = None,
-              state_length: int | None = None, alpha: float = 0.05, seed_offset: int = 0,
-              make_plot: bool = True,
-              wandb: bool = False, wandb_project: str = "ced",
-              wandb_group: str | None = None, progress: bool = True) -> dict:
-    """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings"}."""
-    out = Path(out)
-    model = load_checkpoint(checkpoint, topk=topk, dtype=dtype, device=device, kv=kv)
+@dataclasses.dataclass
+class SuiteConfig:
+    """Everything one suite run reads: `python -m evals.suites` builds its options from these
+    fields (`evals.cli`), and the study driver writes them as JSON for `experiments.job`."""
+
+    checkpoint: str = option(help="directory written by ced.checkpoint.save_model (e.g. a "
+                                  "training run's final/)")
+    replays: List[str] = option(flag="--replay", metavar="N", help=(
+        "bounded replay lengths to test: N, W, W/k, kW, kW/d or R_exact, resolved against the "
+        "checkpoint (replay=exact and full always run)"))
+    out: str = option(help="output directory")
+    examples: int = option(50, help="examples per family x point")
+    families: Optional[List[str]] = option(None, choices=lambda: list(FAMILIES),
+                                           help="default: all")
+    turns: List[int] = option(factory=list, metavar="M", help=(
+        "new-turn sizes for the multiturn family (default: min(N) // 2)"))
+    distances: List[int] = option(factory=list, metavar="D",
+                                  help="extra distances for the distance families")
+    max_length: Optional[int] = option(None,
+                                       help="cap on prompt length (default: max_seq_len - 8)")
+    needle_distractors: Optional[int] = option(None, help="default: topk + 1")
+    state_length: Optional[int] = option(None, metavar="T", help=(
+        "running_count/_parity/_bracket prompts of at least T tokens (a longer random prefix "
+        "before `|`; default: as short as the window allows)"))
+    sweep_replays: Optional[List[str]] = option(None, metavar="N", help=(
+        "place the distance and window sweeps' points around these replay lengths only "
+        "(default: every --replay); every --replay is still evaluated on every document"))
+    topk: Optional[str] = option(None, help="override the checkpoint's top-k (int or 'all')")
+    kv: Optional[str] = option(None, help=(
+        "override KV storage formats, e.g. window:fp8,global:fp4_block16,indexer:fp4_block32 "
+        "(fake quantisation at the storage points)"))
+    batch_size: int = option(64, help="documents per forward pass")
+    dtype: str = option("float32", choices=["float32", "float64", "bfloat16"],
+                        help="the model's dtype")
+    device: str = option("cpu", help="torch device")
+    threads: Optional[int] = option(None, help="torch intra-op threads")
+    alpha: float = option(0.05, help="significance level of the drops")
+    seed_offset: int = option(0, help="first example seed")
+    plot: bool = option(True, help="do not draw accuracy.png")
+    wandb: bool = option(True, help=(
+        "do not log to wandb (by default the tables and the plot are logged, offline unless "
+        "WANDB_MODE is set, as training and divergence do)"))
+    wandb_project: str = option("ced", help="the one project of every ced run")
+    wandb_group: Optional[str] = option(None, help=(
+        "wandb group (default: $WANDB_RUN_GROUP, else 'suite')"))
+    overwrite: bool = option(False, help=(
+        "replace the suite run already in --out (by default it is refused, as ced.train "
+        "refuses a run directory that holds a run)"))
+    quiet: bool = option(False, help="no progress and no table")
+
+
+def check_out(config: SuiteConfig) -> None:
+    """A ValueError naming `out` when it holds a suite run and `overwrite` is off."""
+    held = [n for n in ("results.csv", "summary.json") if (Path(config.out) / n).exists()]
+    if held and not config.overwrite:
+        raise ValueError(f"out: {config.out} already holds a suite run ({', '.join(held)}); "
+                         "choose another, or set overwrite (--overwrite) to replace it")
+
+
+def run_suite(config: SuiteConfig) -> dict:
+    """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings",
+    "settings", "seconds"}. Bad settings are a ValueError naming the field."""
+    c = config
+    check_out(c)
+    out = Path(c.out)
+    model = load_checkpoint(c.checkpoint, topk=c.topk, dtype=c.dtype, device=c.device, kv=c.kv)
     out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
     # replay forms (W, W/2, R_exact, ...) resolve against this checkpoint's own config
     replays = [replay_length(cfg, parse_replay_form(n, "replays"), name="replays")
-               for n in replays]
-    if sweep_replays is not None:
-        sweep_replays = [replay_length(cfg, parse_replay_form(n, "sweep_replays"),
-                                       name="sweep_replays") for n in sweep_replays]
-    settings = SuiteSettings.from_config(cfg, replays, turns,
-                                         extra_distances=tuple(extra_distances),
-                                         max_length=max_length,
-                                         needle_distractors=needle_distractors,
+               for n in c.replays]
+    sweep_replays = None if c.sweep_replays is None else [
+        replay_length(cfg, parse_replay_form(n, "sweep_replays"), name="sweep_replays")
+        for n in c.sweep_replays]
+    settings = SuiteSettings.from_config(cfg, replays, c.turns,
+                                         extra_distances=tuple(c.distances),
+                                         max_length=c.max_length,
+                                         needle_distractors=c.needle_distractors,
                                          sweep_replays=sweep_replays,
-                                         state_length=state_length)
-    docs = build_documents(settings, examples, families, seed_offset=seed_offset)
+                                         state_length=c.state_length)
+    docs = build_documents(settings, c.examples, c.families, seed_offset=c.seed_offset)
     write_jsonl(docs, out / "data")
     base, turn = suite_modes(cfg, settings.replays, settings.turns)
-    if progress:
+    if not c.quiet:
         from .families import describe
         print(describe(settings), file=sys.stderr)
         print(f"modes: {base} + {len(turn)} multi-turn modes on "
               f"{[f for f in FAMILIES if FAMILIES[f].turn_modes]}", file=sys.stderr)
     t0 = time.time()
-    rows, warnings = evaluate_documents(model, docs, base, turn, batch_size=batch_size,
+    rows, warnings = evaluate_documents(model, docs, base, turn, batch_size=c.batch_size,
                                         engine=make_engine(model, settings.replays),
-                                        progress=progress)
+                                        progress=not c.quiet)
     elapsed = time.time() - t0
     run_info = {
-        "checkpoint": str(checkpoint), "config": cfg.to_dict(),
-        "settings": dataclasses.asdict(settings), "examples": examples,
-        "modes": base, "turn_modes": turn, "alpha": alpha, "seconds": elapsed,
+        "checkpoint": str(c.checkpoint), "config": cfg.to_dict(),
+        "settings": dataclasses.asdict(settings), "examples": c.examples,
+        "modes": base, "turn_modes": turn, "alpha": c.alpha, "seconds": elapsed,
         "scoring": "teacher-forced exact match on the engine path (evals.modes.mode_logits)",
         "warnings": warnings,
     }
-    result = _write_results(rows, run_info, out, alpha)
-    if make_plot and (figure := plot(result["summary"], settings, out / "accuracy.png",
-                                     title=f"{Path(checkpoint).name}: {cfg.variant}, "
-                                           f"W={cfg.window}, R_exact={settings.r_exact}")):
+    result = _write_results(rows, run_info, out, c.alpha)
+    if c.plot and (figure := plot(result["summary"], settings, out / "accuracy.png",
+                                  title=f"{Path(c.checkpoint).name}: {cfg.variant}, "
+                                        f"W={cfg.window}, R_exact={settings.r_exact}")):
         result["paths"]["plot"] = figure
-    if wandb:
-        _log_wandb(wandb_project, run_info, result["summary"], result["drops"],
-                   result["paths"], out, group=wandb_group)
+    if c.wandb:
+        _log_wandb(c.wandb_project, run_info, result["summary"], result["drops"],
+                   result["paths"], out, group=c.wandb_group)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return {**result, "rows": rows, "warnings": warnings, "settings": settings,

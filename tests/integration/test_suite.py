@@ -144,10 +144,11 @@ def test_suite_cli_end_to_end(checkpoint, tmp_path):
 
 def test_runner_scores_match_the_full_forward(checkpoint, tmp_path):
     """nll and exact match of mode `full` equal the parallel forward's on the same documents."""
-    from evals.suites import run_suite
+    from evals.suites import SuiteConfig, run_suite
 
-    result = run_suite(checkpoint, REPLAYS, tmp_path, examples=2, families=["recall", "needle"],
-                       dtype="float64", make_plot=False, progress=False)
+    result = run_suite(SuiteConfig(checkpoint, REPLAYS, tmp_path, examples=2,
+                                   families=["recall", "needle"], dtype="float64", plot=False,
+                                   wandb=False, quiet=True))
     model = load_checkpoint(checkpoint, dtype="float64")
     docs = {d["id"]: d for f in ("recall", "needle")
             for d in read_jsonl(tmp_path / "data" / f"{f}.jsonl")}
@@ -167,7 +168,7 @@ def test_kv_override_reads_the_checkpoint_back_in_the_storage_format(checkpoint,
     """--kv rebuilds the trained model with other storage formats: the same weights, the
     formats in the run's config, the exact modes still exact (engine and forward quantise
     alike), and the outputs moved by the quantisation."""
-    from evals.suites import run_suite
+    from evals.suites import SuiteConfig, run_suite
 
     spec = "window:fp8,global:fp4_block16,indexer:fp4_block32"
     model = load_checkpoint(checkpoint, dtype="float64", kv=spec)
@@ -178,8 +179,9 @@ def test_kv_override_reads_the_checkpoint_back_in_the_storage_format(checkpoint,
                                                    plain.state_dict().values()))
     ids = torch.tensor([make_example("kv_recall", 0, length=40).prompt_ids])
     assert (model(ids) - plain(ids)).abs().max() > 1e-6
-    result = run_suite(checkpoint, REPLAYS, tmp_path, examples=2, families=["recall"],
-                       dtype="float64", make_plot=False, progress=False, kv=spec)
+    result = run_suite(SuiteConfig(checkpoint, REPLAYS, tmp_path, examples=2,
+                                   families=["recall"], dtype="float64", plot=False,
+                                   wandb=False, quiet=True, kv=spec))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["run"]["config"]["global_kv_dtype"] == "fp4_block16"
     exact = [r for r in result["rows"] if r["mode"] == "replay=exact"]

@@ -159,6 +159,12 @@ def _study_error(tmp_path, text: str) -> str:
     ("jobs: [{name: a}]\nsuite: {kv: ['globl:fp8']}\n", r"suite.kv\[0\]: .*POINT:FORMAT"),
     ("jobs: [{name: a}]\nsuite: {distances: [4, 0]}\n", r"suite.distances\[1\]: expected"),
     ("jobs: [{name: a}]\nsuite: {distances: [Rexact]}\n", r"suite.distances\[0\]: .*'Rexact'"),
+    ("jobs: [{name: a}]\nsuite: {options: {state_lenght: 9}}\n",
+     r"suite.options: \['state_lenght'\] cannot be set here; allowed: .*state_length"),
+    ("jobs: [{name: a}]\nsuite: {options: {replays: [W]}}\n",
+     r"suite.options: \['replays'\] cannot be set here"),
+    ("jobs: [{name: a}]\nsuite: {options: {state_length: long}}\n",
+     r"suite.options.state_length: .*'long'"),
 ])
 def test_bad_study_values_are_one_line(tmp_path, text, fragment):
     message = _study_error(tmp_path, text)
@@ -167,24 +173,47 @@ def test_bad_study_values_are_one_line(tmp_path, text, fragment):
 
 
 def test_suite_distances_resolve_against_the_reference_model():
-    """`suite.distances` reaches evals.suites as --distances, W forms and R_exact resolved for
+    """`suite.distances` reaches evals.suites as `distances`, W forms and R_exact resolved for
     the reference model (R_exact dropped for a model without a decoder), other options kept."""
     from ced import ModelConfig
     from ced.config import exact_replay_length
-    from experiments.run import suite_arguments
+    from experiments.run import suite_options
     from experiments.study import SuiteSpec
     spec = SuiteSpec(replay=["W"], examples=7, families=["recall"],
-                     distances=["R_exact", "2W", 62, 5])
+                     distances=["R_exact", "2W", 62, 5], options={"state_length": 40})
     ced = ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2, window=16,
                       encoder_kv_groups=0)
-    args = suite_arguments(spec, ced, ced, kv="window:fp8")
+    options = suite_options(spec, ced, ced, kv="window:fp8")
     r = exact_replay_length(ced)
-    assert args == ["--replay", "16", "--examples", "7", "--families", "recall",
-                    "--distances", str(r), "32", "62", "5", "--kv", "window:fp8"]
+    assert options == {"replays": ["16"], "examples": 7, "families": ["recall"],
+                       "distances": [r, 32, 62, 5], "kv": "window:fp8", "state_length": 40}
     dense = ModelConfig(variant="dense", n_encoder_layers=2, n_decoder_layers=2, window=16,
                         encoder_kv_groups=0)
-    assert suite_arguments(spec, dense, dense)[-4:] == ["--distances", "32", "62", "5"]
-    assert "--distances" not in suite_arguments(SuiteSpec(replay=["W/2"]), ced, ced)
+    assert suite_options(spec, dense, dense)["distances"] == [32, 62, 5]
+    assert "distances" not in suite_options(SuiteSpec(replay=["W/2"]), ced, ced)
+
+
+def test_suite_options_are_a_suite_config():
+    """What the driver writes for `experiments.job suite` loads as a SuiteConfig, field for
+    field: the driver and the command line configure the suite through the same dataclass."""
+    from ced import ModelConfig
+    from evals.suites.runner import SuiteConfig
+    from experiments.job import load_job
+    from experiments.run import suite_options
+    from experiments.study import SuiteSpec
+    spec = SuiteSpec(replay=["W/2", "W"], examples=3, turns=[2], sweep_replay=["W"],
+                     options={"needle_distractors": 17})
+    ced = ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2, window=16,
+                      encoder_kv_groups=0)
+    raw = {**suite_options(spec, ced, ced, topk="all"), "checkpoint": "c", "out": "o"}
+    config, _ = load_job("suite", raw)
+    assert isinstance(config, SuiteConfig)
+    assert (config.replays, config.examples, config.turns, config.sweep_replays,
+            config.topk, config.needle_distractors) == (["8", "16"], 3, [2], ["16"], "all", 17)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['replay'\]"):
+        load_job("suite", {**raw, "replay": ["W"]})
+    with pytest.raises(ValueError, match="KIND: one of"):
+        load_job("suites", raw)
 
 
 def test_suite_replays_and_turns_resolve_against_each_model():
@@ -192,7 +221,7 @@ def test_suite_replays_and_turns_resolve_against_each_model():
     W/2 and cuts its turns at its own W/4, while every model is read at the reference's
     distances; a model without a decoder takes the reference's replays (it runs `full` only)."""
     from ced import ModelConfig
-    from experiments.run import suite_arguments
+    from experiments.run import suite_options
     from experiments.study import SuiteSpec
 
     def ced(window: int) -> ModelConfig:
@@ -204,13 +233,13 @@ def test_suite_replays_and_turns_resolve_against_each_model():
     for window in (8, 16, 32):
         own = ced(window)
         r = 2 * (window - 1) + 1
-        turns = ["2"] + ([str(window // 4)] if window // 4 != 2 else [])   # duplicates dropped
-        assert suite_arguments(spec, ref, own) == [
-            "--replay", str(window // 2), str(window), str(r), "--examples", "5",
-            "--turns", *turns, "--distances", "32"]
+        turns = [2] + ([window // 4] if window // 4 != 2 else [])   # duplicates dropped
+        assert suite_options(spec, ref, own) == {
+            "replays": [str(window // 2), str(window), str(r)], "examples": 5,
+            "turns": turns, "distances": [32]}
     swa = ModelConfig(variant="swa", n_encoder_layers=2, n_decoder_layers=2, window=8,
                       encoder_kv_groups=0)
-    assert suite_arguments(spec, ref, swa)[:5] == ["--replay", "8", "16", "31", "--examples"]
+    assert suite_options(spec, ref, swa)["replays"] == ["8", "16", "31"]
 
 
 def test_seeds_default_to_one_and_can_be_overridden():

@@ -250,11 +250,12 @@ def test_parse_replay_form_refuses_the_rest_in_one_line(bad):
 
 def test_the_suite_resolves_forms_against_its_checkpoint(tmp_path):
     from ced.checkpoint import save_model
-    from evals.suites.runner import run_suite
+    from evals.suites.runner import SuiteConfig, run_suite
     path = save_model(make_model(tiny_config(window=8, vocab_size=259), 0).float(),
                       tmp_path / "model")
-    result = run_suite(path, ["W/2", "W"], tmp_path / "out", examples=1,
-                       families=["running_count"], make_plot=False, progress=False)
+    result = run_suite(SuiteConfig(str(path), ["W/2", "W"], str(tmp_path / "out"), examples=1,
+                                   families=["running_count"], plot=False, wandb=False,
+                                   quiet=True))
     assert sorted({r["mode"] for r in result["rows"]}) == ["full", "replay=4", "replay=8",
                                                             "replay=exact"]
 

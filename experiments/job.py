@@ -1,0 +1,80 @@
+"""`python -m experiments.job KIND CONFIG.json [THREADS]`: one evaluation tool run on the config
+the study driver wrote as JSON, in its own process (a crash cannot take the driver down).
+
+KIND names the tool; CONFIG.json holds the fields of its config dataclass, the same fields its
+command line is built from (`evals.cli`):
+
+    suite        evals.suites.runner.SuiteConfig   -> run_suite
+    divergence   evals.divergence.DivergenceConfig -> run
+
+A key that is not a field is an error naming it and the allowed fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _suite() -> tuple[type, Callable[[Any], Any]]:
+    from evals.suites.runner import SuiteConfig, run_suite
+    return SuiteConfig, run_suite
+
+
+def _divergence() -> tuple[type, Callable[[Any], Any]]:
+    from evals.divergence import DivergenceConfig, run
+    return DivergenceConfig, lambda config: run(config, Path(config.out_dir))
+
+
+JOBS: dict[str, Callable[[], tuple[type, Callable[[Any], Any]]]] = {
+    "suite": _suite, "divergence": _divergence}
+
+
+def load_job(kind: str, raw: dict) -> tuple[Any, Callable[[Any], Any]]:
+    """(the config of tool `kind` built from `raw`, the function that runs it). Unknown kinds
+    and keys are ValueErrors naming them."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from evals.cli import unknown_keys
+
+    if kind not in JOBS:
+        raise ValueError(f"KIND: one of {sorted(JOBS)}; got {kind!r}")
+    cls, run = JOBS[kind]()
+    if bad := unknown_keys(cls, list(raw)):
+        allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise ValueError(f"{kind} config: unknown key(s) {bad}; allowed: {allowed}")
+    # OmegaConf checks every value against the field's type (and fills nested dataclasses)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), raw)), run
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        raise ValueError(f"{kind} config: {key}: {str(exc).splitlines()[0]}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if len(argv) not in (2, 3):
+        print(f"usage: python -m experiments.job {{{','.join(JOBS)}}} CONFIG.json [THREADS]",
+              file=sys.stderr)
+        return 2
+    try:
+        config, run = load_job(argv[0], json.loads(Path(argv[1]).read_text()))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if len(argv) == 3:
+        import torch
+        torch.set_num_threads(int(argv[2]))
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

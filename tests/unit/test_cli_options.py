@@ -1,0 +1,78 @@
+"""evals.cli: a tool's command line is built from its config dataclass, so the options a user
+types and the fields the study driver writes are the same set. Checked on a small dataclass
+with every kind of field, and on the suite's own SuiteConfig against its CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional
+
+import pytest
+
+from evals.cli import build_parser, config_from_args, option, unknown_keys
+
+
+@dataclass
+class Example:
+    path: str = option(help="required")
+    replays: List[str] = option(flag="--replay", metavar="N", help="one or more")
+    count: int = option(3, help="an int")
+    rate: float = option(0.5, help="a float")
+    names: Optional[List[str]] = option(None, choices=lambda: ["a", "b"], help="choices")
+    sizes: List[int] = option(factory=list, help="ints")
+    limit: Optional[int] = option(None, help="optional int")
+    plot: bool = option(True, help="on by default")
+    overwrite: bool = option(False, help="off by default")
+    hidden: str = option("x", help="set by the caller")
+
+
+def parse(argv: list[str]) -> Example:
+    return config_from_args(Example, build_parser(Example, "prog").parse_args(argv))
+
+
+def test_defaults_types_and_renamed_flags():
+    c = parse(["--path", "p", "--replay", "W", "8"])
+    assert c == Example(path="p", replays=["W", "8"])
+    c = parse(["--path", "p", "--replay", "1", "--count", "7", "--rate", "0.25", "--names", "b",
+               "a", "--sizes", "4", "5", "--limit", "9", "--no-plot", "--overwrite"])
+    assert (c.count, c.rate, c.names, c.sizes, c.limit, c.plot, c.overwrite) == (
+        7, 0.25, ["b", "a"], [4, 5], 9, False, True)
+
+
+def test_list_defaults_are_not_shared_between_parses():
+    first = parse(["--path", "p", "--replay", "1"])
+    first.sizes.append(1)
+    assert parse(["--path", "p", "--replay", "1"]).sizes == []
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--replay", "1"], "--path"),                          # required
+    (["--path", "p"], "--replay"),                          # required list
+    (["--path", "p", "--replay", "1", "--count", "x"], "invalid int"),
+    (["--path", "p", "--replay", "1", "--names", "c"], "invalid choice"),
+    (["--path", "p", "--replay", "1", "--plot"], "unrecognized"),   # only --no-plot exists
+])
+def test_bad_command_lines_are_usage_errors(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    assert exit_.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_hidden_fields_are_not_options_and_are_set_by_the_caller(capsys):
+    parser = build_parser(Example, "prog", hidden=["hidden"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--path", "p", "--replay", "1", "--hidden", "y"])
+    args = parser.parse_args(["--path", "p", "--replay", "1"])
+    assert config_from_args(Example, args, hidden="set").hidden == "set"
+
+
+def test_unknown_keys():
+    assert unknown_keys(Example, ["count", "cuont", "replay"]) == ["cuont", "replay"]
+
+
+def test_the_suite_cli_has_one_option_per_suite_config_field():
+    from evals.suites.runner import SuiteConfig
+    parser = build_parser(SuiteConfig, "python -m evals.suites")
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    assert dests == {f.name for f in dataclasses.fields(SuiteConfig)}
