@@ -51,13 +51,13 @@ Writes into --out:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.config import parse_replay_form, replay_length
 from ced.data.tokenizer import ByteTokenizer
 
+from .cli import option
 from .code_tokens import Annotation, annotate, classify, group_of
 
 _TOK = ByteTokenizer()
@@ -424,14 +425,44 @@ def baselines(fraction: float, rows: Rows) -> dict[str, float]:
     return ngram_nll(train, targets, previous)
 
 
-def run(checkpoints: list[str], out: Path, replays: list[str], continuation: str = "W",
-        passes: int = 4, context: int = 128, row_len: int = 512, dtype: str = "float32",
-        batch_size: int = 8, resamples: int = 1000, max_files: int | None = None,
-        wandb: dict | None = None) -> dict:
-    """Score every checkpoint, write the tables and plots into `out` (and, with `wandb`:
-    {"project": ..., "group": ...}, into an offline-by-default wandb run); returns their
-    paths."""
+@dataclass
+class RealTextConfig:
+    """Everything one reading reads: `python -m evals.real_text` builds its options from these
+    fields (`evals.cli`), and the study driver writes them as JSON for `experiments.job`."""
+
+    checkpoint: List[str] = option(help="trained model directories (final/) of data=stdlib "
+                                        "runs")
+    out: str = option(help="output directory")
+    replays: List[str] = option(factory=lambda: list(DEFAULT_REPLAYS), help=(
+        "replay lengths N: ints or forms W, W/2, 2W, R_exact (per model)"))
+    continuation: str = option("W", help="G: the bytes read after each replayed prompt (int or "
+                                         "W form)")
+    passes: int = option(4, help="readings per byte, at replay starts shifted by "
+                                 "(R_exact + G) / P")
+    context: int = option(128, help="bytes of a file every scored byte has before it")
+    row_len: int = option(512, help="bytes per row of the exact reading")
+    max_files: Optional[int] = option(None, help="only the first K validation files (a quick "
+                                                 "look)")
+    dtype: str = option("float32", choices=["float32", "float64"], help="the models' dtype")
+    batch_size: int = option(8, help="rows per forward pass")
+    bootstrap: int = option(1000, help="bootstrap resamples")
+    wandb: bool = option(True, help="write no wandb run")
+    wandb_project: str = option("ced", help="the one project of every ced run")
+    wandb_group: Optional[str] = option(None, help=(
+        "default: $WANDB_RUN_GROUP (the study driver's), else real_text"))
+
+
+def run(config: RealTextConfig) -> dict:
+    """Score every checkpoint, write the tables and plots into `config.out` (and, unless
+    `config.wandb` is off, into an offline-by-default wandb run); returns their paths. Bad
+    settings are a ValueError naming the option."""
     import pandas as pd
+    c = config
+    if c.passes < 1:
+        raise ValueError(f"--passes must be >= 1; got {c.passes}")
+    checkpoints, out, replays = list(c.checkpoint), Path(c.out), list(c.replays)
+    continuation, passes, context, row_len = c.continuation, c.passes, c.context, c.row_len
+    dtype, batch_size, resamples, max_files = c.dtype, c.batch_size, c.bootstrap, c.max_files
     torch_dtype = {"float32": torch.float32, "float64": torch.float64}[dtype]
     for form in replays:                    # every argument, before the first model costs minutes
         parse_replay_form(form, "--replays")
@@ -466,8 +497,8 @@ def run(checkpoints: list[str], out: Path, replays: list[str], continuation: str
                 "passes": passes, "context": context, "row_len": row_len, "dtype": dtype,
                 "resamples": resamples, "max_files": max_files}
     (out / "settings.json").write_text(json.dumps(settings, indent=1))
-    if wandb is not None:
-        _log_wandb(out, settings, written, **wandb)
+    if c.wandb:
+        _log_wandb(out, settings, written, project=c.wandb_project, group=c.wandb_group)
     return written
 
 
@@ -607,45 +638,14 @@ def write_lm_eval(root: Path, out: Path, runs: list[Path] | None = None) -> dict
     return {"lm_eval": out / "lm_eval.csv", "lm_eval_accuracy": out / "lm_eval_accuracy.csv"}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evals.real_text", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", nargs="+", required=True,
-                   help="trained model directories (final/) of data=stdlib runs")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--replays", nargs="+", default=list(DEFAULT_REPLAYS),
-                   help="replay lengths N: ints or forms W, W/2, 2W, R_exact (per model)")
-    p.add_argument("--continuation", default="W",
-                   help="G: the bytes read after each replayed prompt (int or W form)")
-    p.add_argument("--passes", type=int, default=4,
-                   help="readings per byte, at replay starts shifted by (R_exact + G) / P")
-    p.add_argument("--context", type=int, default=128,
-                   help="bytes of a file every scored byte has before it")
-    p.add_argument("--row-len", type=int, default=512)
-    p.add_argument("--max-files", type=int, default=None,
-                   help="only the first K validation files (a quick look)")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
-    p.add_argument("--no-wandb", action="store_true", help="write no wandb run")
-    p.add_argument("--wandb-project", default="ced")
-    p.add_argument("--wandb-group", default=None,
-                   help="default: $WANDB_RUN_GROUP (the study driver's), else real_text")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.passes < 1:
-        print("error: --passes must be >= 1", file=sys.stderr)
-        return 2
+    from .cli import build_parser, config_from_args
     from .findings import list_written
-    return list_written("real_text", lambda: run(
-        args.checkpoint, Path(args.out), args.replays, args.continuation, args.passes,
-        args.context, args.row_len, args.dtype, args.batch_size, args.bootstrap,
-        args.max_files, None if args.no_wandb else {"project": args.wandb_project,
-                                                    "group": args.wandb_group}),
-        errors=(ValueError, CheckpointError, FileNotFoundError))
+    parser = build_parser(RealTextConfig, prog="python -m evals.real_text",
+                          description=__doc__.split("\n\n")[0])
+    config = config_from_args(RealTextConfig, parser.parse_args(argv))
+    return list_written("real_text", lambda: run(config),
+                        errors=(ValueError, CheckpointError, FileNotFoundError))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ command line is built from (`evals.cli`):
 
     suite        evals.suites.runner.SuiteConfig   -> run_suite
     divergence   evals.divergence.DivergenceConfig -> run
+    real_text    evals.real_text.RealTextConfig    -> run
 
 A key that is not a field is an error naming it and the allowed fields.
 """
@@ -29,8 +30,13 @@ def _divergence() -> tuple[type, Callable[[Any], Any]]:
     return DivergenceConfig, lambda config: run(config, Path(config.out_dir))
 
 
+def _real_text() -> tuple[type, Callable[[Any], Any]]:
+    from evals.real_text import RealTextConfig, run
+    return RealTextConfig, run
+
+
 JOBS: dict[str, Callable[[], tuple[type, Callable[[Any], Any]]]] = {
-    "suite": _suite, "divergence": _divergence}
+    "suite": _suite, "divergence": _divergence, "real_text": _real_text}
 
 
 def load_job(kind: str, raw: dict) -> tuple[Any, Callable[[Any], Any]]:

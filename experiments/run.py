@@ -334,6 +334,14 @@ class Study:
                 for job in self.spec.jobs for seed in self.spec.seeds_of(job)
                 if all_jobs or self.jobs is None or job.name in self.jobs]
 
+    def run_job(self, kind: str, config: dict, config_file: Path, log: Path) -> tuple[int, str]:
+        """Write `config` (the fields of tool `kind`'s config dataclass) to `config_file` and
+        run it as `python -m experiments.job` in a subprocess; (return code, last lines)."""
+        config_file.parent.mkdir(parents=True, exist_ok=True)
+        config_file.write_text(json.dumps(config, indent=1))
+        return stream([sys.executable, "-m", "experiments.job", kind, str(config_file),
+                       str(self.threads)], log, self.env)
+
     def run_dir(self, label: str) -> Path:
         return self.out / "runs" / label
 
@@ -563,13 +571,11 @@ class Study:
                            **(config.get("wandb") or {})}
         out.mkdir(parents=True, exist_ok=True)
         (out / STAMP).unlink(missing_ok=True)
-        (out / "config.json").write_text(json.dumps(config, indent=1))
         banner(f"divergence: {len(usable)} checkpoints, N={config['replays']}, "
                f"T={config.get('lengths')}")
         t0 = time.time()
-        code, tail = stream([sys.executable, "-m", "experiments.job", "divergence",
-                             str(out / "config.json"), str(self.threads)],
-                            self.out / "logs" / "divergence.log", self.env)
+        code, tail = self.run_job("divergence", config, out / "config.json",
+                                  self.out / "logs" / "divergence.log")
         secs = round(time.time() - t0, 1)
         if code == 0 and (out / "summary.json").exists():
             _write_stamp(out, {"hash": digest, "checkpoints": config["checkpoints"]})
@@ -590,15 +596,13 @@ class Study:
             self.record(key, "skipped", reason="no trained checkpoint")
             return
         out = self.out / "real_text"
-        args = ["--replays", *map(str, spec.replays), "--continuation", str(spec.continuation),
-                "--passes", str(spec.passes), "--context", str(spec.context),
-                "--row-len", str(spec.row_len), "--dtype", spec.dtype,
-                "--bootstrap", str(spec.bootstrap),
-                *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
-        tracking = (["--wandb-project", self.project, "--wandb-group", self.group]
-                    if self.wandb else ["--no-wandb"])
+        settings = {"replays": [str(v) for v in spec.replays],
+                    "continuation": str(spec.continuation), "passes": spec.passes,
+                    "context": spec.context, "row_len": spec.row_len, "dtype": spec.dtype,
+                    "bootstrap": spec.bootstrap, "max_files": spec.max_files}
         paths = sorted(str(p) for p, _ in checkpoints.values())
-        digest = config_hash({"args": args, "trained": sorted(h for _, h in checkpoints.values())})
+        digest = config_hash({"real_text": settings,
+                              "trained": sorted(h for _, h in checkpoints.values())})
         if self._fresh("real_text", out, out / "baselines.csv", digest):
             self.record(key, "skipped", out=str(out), hash=digest)
             return
@@ -607,11 +611,12 @@ class Study:
         from evals.real_text import OUTPUTS
         for name in (STAMP, *OUTPUTS):
             (out / name).unlink(missing_ok=True)
+        job = {**settings, "checkpoint": paths, "out": str(out), "wandb": self.wandb,
+               "wandb_project": self.project, "wandb_group": self.group}
         banner(f"real text: {len(paths)} checkpoints, N={list(spec.replays)}")
         t0 = time.time()
-        code, tail = stream([sys.executable, "-m", "evals.real_text", "--checkpoint", *paths,
-                             "--out", str(out), *args, *tracking],
-                            self.out / "logs" / "real_text.log", self.env)
+        code, tail = self.run_job("real_text", job, self.out / "logs" / "real_text.json",
+                                  self.out / "logs" / "real_text.log")
         secs = round(time.time() - t0, 1)
         if code == 0 and (out / "baselines.csv").exists():
             _write_stamp(out, {"hash": digest, "checkpoints": paths})
@@ -737,15 +742,10 @@ class Study:
                 job = {**options, "checkpoint": str(final), "out": str(out), "overwrite": True,
                        "wandb": self.wandb, "wandb_project": self.project,
                        "wandb_group": self.group}
-                config_file = self.out / "logs" / f"suite_{label.replace('/', '_')}.json"
-                config_file.parent.mkdir(parents=True, exist_ok=True)
-                config_file.write_text(json.dumps(job, indent=1))
-                cmd = [sys.executable, "-m", "experiments.job", "suite", str(config_file),
-                       str(self.threads)]
                 banner(f"suite {label}: N={options['replays']}")
                 t0 = time.time()
                 log = self.out / "logs" / f"suite_{label.replace('/', '_')}.log"
-                code, tail = stream(cmd, log, self.env)
+                code, tail = self.run_job("suite", job, log.with_suffix(".json"), log)
                 secs = round(time.time() - t0, 1)
                 if code == 0 and (out / "summary.json").exists():
                     _write_stamp(out, {"hash": digest, "checkpoint": str(final)})

@@ -71,8 +71,19 @@ def test_unknown_keys():
     assert unknown_keys(Example, ["count", "cuont", "replay"]) == ["cuont", "replay"]
 
 
-def test_the_suite_cli_has_one_option_per_suite_config_field():
-    from evals.suites.runner import SuiteConfig
-    parser = build_parser(SuiteConfig, "python -m evals.suites")
+@pytest.mark.parametrize("module,name", [("evals.suites.runner", "SuiteConfig"),
+                                         ("evals.real_text", "RealTextConfig")])
+def test_a_tool_cli_has_one_option_per_config_field(module, name):
+    import importlib
+    cls = getattr(importlib.import_module(module), name)
+    parser = build_parser(cls, "prog")
     dests = {a.dest for a in parser._actions if a.dest != "help"}
-    assert dests == {f.name for f in dataclasses.fields(SuiteConfig)}
+    assert dests == {f.name for f in dataclasses.fields(cls)}
+
+
+def test_a_bad_real_text_setting_is_one_line_naming_the_option(tmp_path, capsys):
+    from evals.real_text import main
+    assert main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"),
+                 "--passes", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --passes must be >= 1; got 0"
