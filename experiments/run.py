@@ -161,6 +161,47 @@ def describe_change(old: list[str], new: list[str]) -> str:
     return text if len(text) < 300 else text[:297] + "..."
 
 
+def training_view(config: dict, prefix: str = "") -> dict[str, Any]:
+    """A training config (nested dict) as flat dotted keys, without the bookkeeping keys (how
+    or where a run goes, not what it trains): what two runs must share to be the same run."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if _is_bookkeeping(name):
+            continue
+        if isinstance(value, dict):
+            flat.update(training_view(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def trained_view(run_dir: Path) -> dict[str, Any] | None:
+    """`training_view` of the config a run trained (its config.yaml, checked as ced.train
+    checks it, so keys added since with their defaults compare equal); None without one."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return None
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from ced.train_config import ConfigError, validate
+    try:
+        config = validate(OmegaConf.load(path))
+    except (ConfigError, ValueError, OSError):
+        return None
+    return json.loads(json.dumps(training_view(dataclasses.asdict(config)), default=str))
+
+
+def describe_config_change(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The keys whose values differ between two `training_view`s, as one short line."""
+    keys = sorted(set(old) | set(new))
+    parts = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    text = "; ".join(parts) or "(the same composed config)"
+    return text if len(text) < 300 else text[:297] + "..."
+
+
 # ---- the study config --------------------------------------------------------------------------
 
 def resolve_lengths(values: list, cfg) -> list:
@@ -282,6 +323,7 @@ class Study:
         self.reuse = [Path(p).resolve() for p in reuse or []]
         self.group, self.project, self.on_change = group or spec.name, project, on_change
         self.status: dict[str, dict] = {}
+        self._composed: dict[str, dict] | None = None    # composed_training's cache
         self.started = time.time()
         # every invocation of the driver on this directory: its command, commit and wall time
         self.invocations: list[dict] = []
@@ -370,7 +412,9 @@ class Study:
     def decide(self, job_name: str, seed: int, label: str) -> tuple[str, str, str]:
         """What training run `label` needs: (action, config hash, reason), action one of
         skip (done with this config), train (never started), resume (interrupted, same
-        config), refuse / rerun (its config changed; which one is `on_change`)."""
+        config), refuse / rerun (its config changed; which one is `on_change`). A run whose
+        overrides changed but compose to the config it trained (its config.yaml) is the same
+        run (`train` then gives its stamp the new hash). Changes nothing on disk."""
         run_dir = self.run_dir(label)
         wanted = self.train_overrides(job_name, seed)
         digest = config_hash(wanted)
@@ -386,6 +430,21 @@ class Study:
         if not started:
             return "train", digest, "not trained yet"
         old = stamp["hash"] if stamp else "unknown"
+        # the overrides are written differently (e.g. a key moved into a preset or a model
+        # config): what counts is whether the composed config is the one the run trained
+        trained = trained_view(run_dir)
+        if stamp is not None and trained is not None:
+            wanted_view = self.composed_training(label)
+            if wanted_view == trained:
+                same = (f"the overrides changed (hash {old} -> {digest}) but compose to the "
+                        "config it trained")
+                return (("skip", digest, f"done before: {same}") if finished else
+                        ("resume", digest, f"interrupted before: {same}; resuming"))
+            if wanted_view is not None:
+                change = describe_config_change(trained, wanted_view)
+                return (("refuse" if self.on_change == "refuse" else "rerun"), digest,
+                        f"config changed since it was trained (hash {old} -> {digest}: "
+                        f"{change})")
         change = (describe_change(stamp["overrides"], wanted) if stamp else
                   "no study_step.json: trained outside the driver; only=eval evaluates it "
                   "as it is")
@@ -413,16 +472,25 @@ class Study:
             if job_name in seen:
                 continue
             seen.add(job_name)
-            job = next(j for j in self.spec.jobs if j.name == job_name)
-            jobs.append({"label": job_name, "overrides": [
-                *self.spec.train, *job.overrides, *seed_overrides(self.spec, seed)]})
+            jobs.append({"label": job_name, "overrides": self.launch_overrides(job_name, seed)})
+        return {r["label"]: r["error"] for r in self._check_jobs(jobs) if "error" in r}
+
+    def launch_overrides(self, job_name: str, seed: int) -> list[str]:
+        """The study's, the job's and the seed's overrides, as written (no bookkeeping)."""
+        job = next(j for j in self.spec.jobs if j.name == job_name)
+        return [*self.spec.train, *job.overrides, *seed_overrides(self.spec, seed)]
+
+    def _check_jobs(self, jobs: list[dict], configs: bool = False) -> list[dict]:
+        """`python -m experiments.check_jobs [--configs]` on `jobs` in a subprocess: its
+        records ({"label", "error"}, and with `configs` {"label", "config"})."""
         if not jobs:
-            return {}
+            return []
         import tempfile
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
             json.dump(jobs, handle)
         try:
-            done = subprocess.run([sys.executable, "-m", "experiments.check_jobs", handle.name],
+            done = subprocess.run([sys.executable, "-m", "experiments.check_jobs",
+                                   *(["--configs"] if configs else []), handle.name],
                                   cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, **self.env})
         finally:
@@ -430,7 +498,18 @@ class Study:
         if done.returncode != 0:
             raise StudyError(f"could not check the jobs' configs: "
                              f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
-        return {r["label"]: r["error"] for r in map(json.loads, done.stdout.splitlines()) if r}
+        return [r for r in map(json.loads, done.stdout.splitlines()) if r]
+
+    def composed_training(self, label: str) -> dict[str, Any] | None:
+        """What run `label` of this invocation trains, as flat keys (`training_view` of its
+        composed config; None if it does not compose). Composed for every run of the
+        invocation at the first call, in one subprocess."""
+        if self._composed is None:
+            jobs = [{"label": lab, "overrides": self.launch_overrides(job, seed)}
+                    for job, seed, lab in self.runs()]
+            self._composed = {r["label"]: training_view(r["config"])
+                              for r in self._check_jobs(jobs, configs=True) if "config" in r}
+        return self._composed.get(label)
 
     def check_configs(self) -> None:
         """Refuse the whole invocation, before anything trains, if any job's config is bad:
@@ -470,6 +549,11 @@ class Study:
             job = next(j for j in self.spec.jobs if j.name == job_name)
             wanted = self.train_overrides(job_name, seed)
             action, digest, reason = self.decide(job_name, seed, label)
+            stamp = _read_stamp(run_dir)
+            if action in ("skip", "resume") and stamp and stamp["hash"] != digest:
+                # the same run under overrides written another way: it keeps the new hash
+                _write_stamp(run_dir, {**stamp, "hash": digest, "overrides": wanted,
+                                       "rehashed_from": stamp["hash"]})
             if action == "skip":
                 print(f"[study] train {label}: {reason}, skipped", flush=True)
                 self.record(key, "skipped", run_dir=str(run_dir), hash=digest)

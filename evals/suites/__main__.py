@@ -30,7 +30,7 @@ def parse_args(argv=None):
     config = config_from_args(SuiteConfig, build_parser(
         SuiteConfig, prog="python -m evals.suites", description=__doc__).parse_args(argv))
     try:
-        check_out(config)
+        check_out(config, "--out")
         config.replays = [parse_replay_form(v, "--replay") for v in config.replays]
         if config.sweep_replays is not None:
             config.sweep_replays = [parse_replay_form(v, "--sweep-replays")

@@ -361,12 +361,13 @@ class SuiteConfig:
     quiet: bool = option(False, help="no progress and no table")
 
 
-def check_out(config: SuiteConfig) -> None:
-    """A ValueError naming `out` when it holds a suite run and `overwrite` is off."""
+def check_out(config: SuiteConfig, name: str = "out") -> None:
+    """A ValueError naming `out` (as `name`) when it holds a suite run and `overwrite` is
+    off, as ced.train refuses a run directory that holds a run."""
     held = [n for n in ("results.csv", "summary.json") if (Path(config.out) / n).exists()]
     if held and not config.overwrite:
-        raise ValueError(f"out: {config.out} already holds a suite run ({', '.join(held)}); "
-                         "choose another, or set overwrite (--overwrite) to replace it")
+        raise ValueError(f"{name} {config.out} already holds a suite run ({', '.join(held)}); "
+                         f"choose another {name}, or set overwrite (--overwrite) to replace it")
 
 
 def run_suite(config: SuiteConfig) -> dict:

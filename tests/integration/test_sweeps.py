@@ -134,10 +134,24 @@ def test_study_driver_multirun_seeds_and_config_hash(tmp_path):
     refused = run("experiments.run", f"study={mini}", *common)
     assert refused.returncode == 1
     assert ("train a/seed0: REFUSED: config changed since it was trained" in refused.stdout
-            and "-train.steps=2 +train.steps=3" in refused.stdout)
+            and "train.steps: 2 -> 3" in refused.stdout)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"]["train/a/seed0"]["state"] == "refused"
     assert (out / "runs" / "a" / "seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp
+
+    # Overrides written another way that compose to the config it trained (here a key set
+    # to its default, and train.steps=2 back): the same runs, skipped, their stamps rehashed.
+    mini.write_text(mini.read_text().replace("train.steps=3]", "train.steps=2, train.grad_accum=1]"))
+    same = run("experiments.run", f"study={mini}", *common)
+    assert same.returncode == 0, same.stdout[-2000:]
+    assert "train a/seed0: done before: the overrides changed" in same.stdout
+    assert "compose to the config it trained" in same.stdout
+    assert (out / "runs" / "a" / "seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp
+    rehashed = json.loads((out / "runs" / "a" / "seed0" / "study_step.json").read_text())
+    assert "rehashed_from" in rehashed and "train.grad_accum=1" in rehashed["overrides"]
+    again = run("experiments.run", f"study={mini}", *common)
+    assert "train a/seed0: done before with the same config (hash" in again.stdout
+    study_file(mini, steps=3)
 
     # only=plan says the same and changes nothing.
     plan = run("experiments.run", f"study={mini}", *common, "only=plan")
