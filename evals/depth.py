@@ -107,7 +107,8 @@ def drop_at_w_table(capability: pd.DataFrame, marks: dict, traits: pd.DataFrame)
         info = traits.drop_duplicates("job")[["job", "L_d", "arm"]]
         table = table.merge(info, on="job", how="left")
     columns = ["job", "L_d", "arm", "family", "seeds", "n", "acc_full", "difference", "ci_low",
-               "ci_high", "seed_ci_low", "seed_ci_high", "seed_p", "per_seed_difference"]
+               "ci_high", "seed_ci_low", "seed_ci_high", "seed_ci_method", "seed_p",
+               "per_seed_difference"]
     return table[[c for c in columns if c in table.columns]]
 
 

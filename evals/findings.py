@@ -60,9 +60,10 @@ the recipe, not one checkpoint, loses accuracy at N.
 Two levels of confidence interval. The example-level CI (`ci_low`, `ci_high`) treats every
 example as independent, which holds within one checkpoint but not across them: the trained
 model is the unit of replication. The seed-level CI (`seed_ci_low`, `seed_ci_high`) is a
-hierarchical bootstrap (draw the seeds with replacement, then each drawn seed's examples;
-`evals.suites.stats.hierarchical_bootstrap`), and `seed_p` the two-sided p of a t test over the
-seeds' own differences. With 3 seeds the bootstrap has only 10 distinct seed draws and is
+bootstrap over seeds and examples: crossed where every model read the same documents (models
+and documents drawn independently, `evals.suites.stats.crossed_bootstrap`), nested otherwise
+(seeds, then each drawn seed's examples, `hierarchical_bootstrap`); `seed_ci_method` says
+which. `seed_p` is the two-sided p of a t test over the seeds' own differences. With 3 seeds the bootstrap has only 10 distinct seed draws and is
 narrow; read `seed_p` beside it. `seeds` says how many trained models a row rests on. A claim
 that only the example-level CI supports is a claim about those checkpoints, not the recipe.
 """
@@ -80,8 +81,8 @@ import numpy as np
 import pandas as pd
 
 from evals import per_model, plots
-from evals.suites.stats import (binomial_two_sided, hierarchical_bootstrap, holm,
-                                percentile_interval, seed_t_test, wilson_interval)
+from evals.suites.stats import (binomial_two_sided, crossed_bootstrap, hierarchical_bootstrap,
+                                holm, percentile_interval, seed_t_test, wilson_interval)
 
 FULL = "full"
 COMPETENT = 0.9            # `full` accuracy from which a family's drop is read as a finding
@@ -203,6 +204,9 @@ def capability_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.Data
                               part[part["mode"] == mode].assign(mode="1mode")])
             b, c, n = _discordant(pair)
             diff, low, high = paired_difference(b, c, n)
+            wide = pair.pivot_table(index=["train_seed", "id"], columns="mode",
+                                    values="correct", aggfunc="first").dropna()
+            diffs = wide["1mode"].astype(int) - wide["0full"].astype(int)
             seeds = []
             for seed, seed_part in pair.groupby("train_seed"):
                 sb, sc, sn = _discordant(seed_part)
@@ -213,29 +217,35 @@ def capability_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.Data
                          "acc_mode": part[part["mode"] == mode]["correct"].mean(),
                          "difference": diff, "ci_low": low, "ci_high": high,
                          "full_only": b, "mode_only": c, "p_value": binomial_two_sided(b, b + c),
-                         **seed_level_columns([s[3] for s in seeds]),
+                         **model_level_columns(diffs),
                          "per_seed_difference": " ".join(f"{s[1]:+.3f}" for s in seeds),
                          "per_seed_p": " ".join(f"{s[2]:.3g}" for s in seeds)})
     return _drop_table(rows, alpha)
 
 
-def paired_values(b: int, c: int, n: int) -> np.ndarray:
-    """The n per-example paired differences (mode - full) behind counts b (full right, mode
-    wrong: -1), c (mode right, full wrong: +1) and the concordant rest (0)."""
-    return np.concatenate([np.full(b, -1.0), np.full(c, 1.0), np.zeros(n - b - c)])
-
-
-def seed_level_columns(per_seed: list, resamples: int = BOOTSTRAP_RESAMPLES,
-                       seed: int = 0) -> dict:
-    """The model-level columns of a paired difference, from each seed's (b, c, n):
-    `seed_ci_low`/`seed_ci_high`, the hierarchical-bootstrap 95% CI of the mean over seeds of
-    each seed's difference (seeds, then examples within a seed; `stats.hierarchical_bootstrap`),
-    and `seed_p`, the two-sided p of a t test over the seeds' differences (NaN with one seed).
-    `seeds` is how many trained models the row rests on."""
-    groups = [paired_values(b, c, n) for b, c, n in per_seed if n]
-    low, high = percentile_interval(hierarchical_bootstrap(groups, resamples, seed))
+def model_level_columns(diffs: pd.Series, resamples: int = BOOTSTRAP_RESAMPLES,
+                        seed: int = 0) -> dict:
+    """The model-level columns of a paired difference, from the per-example differences
+    `diffs` (mode - full in {-1, 0, +1}, indexed by (train_seed, id)):
+    - `seed_ci_low`/`seed_ci_high`: the 95% bootstrap CI of the mean over models of each
+      model's difference. When every model read the same examples (same ids), models and
+      examples are drawn crossed (`stats.crossed_bootstrap`: an example shared by all models
+      is one draw); otherwise nested (models, then each drawn model's own examples;
+      `stats.hierarchical_bootstrap`). `seed_ci_method` says which.
+    - `seed_p`: the two-sided p of a t test over the models' differences (NaN with one).
+    - `seeds`: how many trained models the row rests on."""
+    groups = [g.to_numpy(dtype=float) for _, g in diffs.groupby(level=0) if len(g)]
     _, _, p = seed_t_test([g.mean() for g in groups])
-    return {"seeds": len(groups), "seed_ci_low": low, "seed_ci_high": high, "seed_p": p}
+    matrix = diffs.unstack(level=1) if len(groups) > 1 else None
+    if matrix is not None and not matrix.isna().to_numpy().any():
+        method = "crossed"
+        replicates = crossed_bootstrap(matrix.to_numpy(dtype=float), resamples, seed)
+    else:
+        method = "nested"
+        replicates = hierarchical_bootstrap(groups, resamples, seed)
+    low, high = percentile_interval(replicates)
+    return {"seeds": len(groups), "seed_ci_low": low, "seed_ci_high": high,
+            "seed_ci_method": method, "seed_p": p}
 
 
 def _drop_table(rows: list[dict], alpha: float) -> pd.DataFrame:
@@ -273,6 +283,8 @@ def reference_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.DataF
             mine, ref = part["correct"].astype(bool), part["correct_ref"].astype(bool)
             b, c, n = int((ref & ~mine).sum()), int((mine & ~ref).sum()), len(part)
             diff, low, high = paired_difference(b, c, n)
+            diffs = (part["correct"].astype(int) - part["correct_ref"].astype(int)).set_axis(
+                pd.MultiIndex.from_frame(part[["train_seed", "id"]]))
             seeds = []
             for _, seed_part in part.groupby("train_seed"):
                 sm, sr = seed_part["correct"].astype(bool), seed_part["correct_ref"].astype(bool)
@@ -284,7 +296,7 @@ def reference_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.DataF
                          "acc_mode": mine.mean() if n else math.nan, "difference": diff,
                          "ci_low": low, "ci_high": high, "full_only": b, "mode_only": c,
                          "p_value": binomial_two_sided(b, b + c),
-                         **seed_level_columns([t for _, _, t in seeds]),
+                         **model_level_columns(diffs),
                          "agree": float((part["prediction"].astype(str)
                                          == part["prediction_ref"].astype(str)).mean())
                          if n else math.nan,
@@ -736,7 +748,8 @@ def seed_t_table(drops: pd.DataFrame) -> pd.DataFrame:
     mean (`seed_t_low`, `seed_t_high`; df = seeds - 1) and its p (`seed_t_p`). With 3 models
     t(0.975, 2) = 4.30: this is the honest width of a 3-model claim. Seeds that all read
     0.000 (|difference| < 0.0005 each) give the zero-width interval [0, 0]. Where the
-    per-example results exist, `seed_level_columns` (hierarchical bootstrap) is the better interval."""
+    per-example results exist, `model_level_columns` (the bootstrap over models and
+    examples) is the better interval."""
     out = drops.copy()
     rows = []
     for text in out["per_seed_difference"]:

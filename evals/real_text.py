@@ -69,6 +69,7 @@ from ced.data.tokenizer import ByteTokenizer
 
 from .cli import option
 from .code_tokens import Annotation, annotate, classify, group_of
+from .suites.stats import crossed_bootstrap, percentile_interval
 
 _TOK = ByteTokenizer()
 # every file `run` writes into --out (wandb/ aside)
@@ -231,25 +232,17 @@ def cluster_bootstrap(parts, resamples: int = 1000, seed: int = 0,
 
     parts: array [models, files, 2] of (sum of values, token count) per model and file, the
     files in the same order for every model (a file a model did not read: zeros). The models
-    read the same files, so files and models are crossed: a replicate draws the models with
-    replacement and, once, the files with replacement, and averages the drawn models' ratio
-    means (sum / count) over those files. The model is the unit; within it the file is the
-    example. With one model only files are drawn. Returns the percentile interval (NaN, NaN
-    without tokens)."""
-    rng = np.random.default_rng(seed)
+    read the same files, so files and models are crossed (`stats.crossed_bootstrap` with the
+    token counts as weights): a replicate draws the models with replacement and, once, the
+    files with replacement, and averages the drawn models' ratio means (sum / count) over
+    those files. The model is the unit; within it the file is the example. With one model
+    only files are drawn. Returns the percentile interval (NaN, NaN without tokens)."""
     parts = np.asarray(parts, dtype=float).reshape(-1, *np.shape(parts)[-2:])
     parts = parts[parts[:, :, 1].sum(1) > 0]
     if parts.size == 0:
         return math.nan, math.nan
-    n_models, n_files = parts.shape[:2]
-    stats = np.empty(resamples)
-    for k in range(resamples):
-        models = rng.integers(0, n_models, n_models) if n_models > 1 else np.zeros(1, int)
-        files = rng.integers(0, n_files, n_files)
-        picked = parts[models][:, files].sum(1)                  # [drawn models, 2]
-        stats[k] = np.mean(picked[:, 0] / np.maximum(picked[:, 1], 1e-300))
-    tail = (1 - confidence) / 2
-    return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
+    replicates = crossed_bootstrap(parts[:, :, 0], resamples, seed, counts=parts[:, :, 1])
+    return percentile_interval(replicates, confidence)
 
 
 def replay_groups(table, replays: dict[str, int], continuation: int):

@@ -112,6 +112,41 @@ def hierarchical_bootstrap(groups: Sequence[Sequence[float]], resamples: int = 2
     return stats / n_groups
 
 
+def crossed_bootstrap(matrix: np.ndarray, resamples: int = 2000, seed: int = 0,
+                      counts: np.ndarray | None = None) -> np.ndarray:
+    """Bootstrap distribution of the mean over models of each model's mean over items, for a
+    complete [models, items] matrix (every model read the same items, e.g. the same suite
+    documents or the same files), resampling models and items independently of each other:
+    each replicate draws the models with replacement and, once for all of them, the items with
+    replacement. An item's effect shared by every model is then drawn as one (not averaged
+    away as independent noise per model, as `hierarchical_bootstrap` does), and the
+    model-to-model spread as the other. Every model weighs the same: the model is the unit.
+
+    counts: optional [models, items] weights; `matrix` then holds per-item sums and a model's
+    mean is the ratio sum / count over the drawn items (e.g. token values summed per file,
+    the file the item). Returns the `resamples` replicate statistics, shape [resamples]; an
+    empty matrix gives an empty array.
+
+    The draws are multinomial multiplicities, so no [models, items] copy is made per
+    replicate."""
+    matrix = np.asarray(matrix, dtype=float)
+    if matrix.ndim != 2:
+        raise ValueError(f"matrix: expected [models, items], got shape {matrix.shape}")
+    counts = np.ones_like(matrix) if counts is None else np.asarray(counts, dtype=float)
+    if counts.shape != matrix.shape:
+        raise ValueError(f"counts: expected shape {matrix.shape}, got {counts.shape}")
+    if matrix.size == 0 or resamples < 1:
+        return np.empty(0)
+    if np.isnan(matrix).any():
+        raise ValueError("matrix: every model must have a value for every item (no NaN)")
+    n_models, n_items = matrix.shape
+    rng = np.random.default_rng(seed)
+    w_models = rng.multinomial(n_models, np.full(n_models, 1 / n_models), size=resamples)
+    w_items = rng.multinomial(n_items, np.full(n_items, 1 / n_items), size=resamples)
+    ratio = (w_items @ matrix.T) / np.maximum(w_items @ counts.T, 1e-300)   # [resamples, M]
+    return (w_models * ratio).sum(1) / n_models
+
+
 def percentile_interval(replicates: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
     """The central `confidence` interval of bootstrap replicates (NaN, NaN when empty)."""
     if replicates.size == 0:

@@ -53,6 +53,29 @@ def test_drops_pool_pairs_over_seeds_and_keep_each_seed_beside():
     assert pooled["p_holm"] == pooled["p_value"]            # its own test
 
 
+def test_models_that_read_the_same_documents_get_the_crossed_interval():
+    """x=5 has 14 examples on seed 0 and 12 on seed 1 (different ids): the model-level CI is
+    nested. Where both seeds read the same 8 ids (x=9, and a cell built here) it is crossed, and
+    a document every model gets wrong under the mode is one draw: with 4 models sharing the
+    same 2 failing documents out of 20, the crossed interval is the documents' own bootstrap
+    interval (-0.1 +- its spread), wider than the nested one."""
+    drops = capability_drop_table(fake_results(CELLS))
+    assert drops[drops["x"] == "5"].iloc[0]["seed_ci_method"] == "nested"
+    assert drops[drops["x"] == "9"].iloc[0]["seed_ci_method"] == "crossed"
+    shared = {(seed, 7): [(1, 0)] * 2 + [(1, 1)] * 18 for seed in range(4)}
+    row = capability_drop_table(fake_results(shared)).iloc[0]
+    assert row["seed_ci_method"] == "crossed" and row["seeds"] == 4
+    assert row["difference"] == pytest.approx(-0.1)
+    # all 4 models identical: the interval is the bootstrap of 20 documents, 2 of them -1
+    assert row["seed_ci_low"] <= -0.2 + 1e-9 and row["seed_ci_high"] == 0.0
+    from evals.findings import model_level_columns
+    diffs = pd.Series([-1.0, -1.0] + [0.0] * 18, dtype=float)
+    nested = model_level_columns(pd.concat({s: diffs for s in range(4)}).iloc[
+        [i for i in range(80) if i % 20 != 19 or i < 20]])   # one id missing on 3 models
+    assert nested["seed_ci_method"] == "nested"
+    assert nested["seed_ci_high"] - nested["seed_ci_low"] < row["seed_ci_high"] - row["seed_ci_low"]
+
+
 def test_answer_kl_pools_examples_over_seeds_and_keeps_each_seed_beside():
     table = answer_kl_table(fake_results(CELLS))
     assert list(table["mode"]) == ["replay=4"]            # full is the reference, not a row

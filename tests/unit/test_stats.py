@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from evals.suites.stats import (binomial_two_sided, clopper_pearson, hierarchical_bootstrap,
+from evals.suites.stats import (binomial_two_sided, clopper_pearson, crossed_bootstrap,
+                                hierarchical_bootstrap,
                                 holm, mcnemar_exact, percentile_interval, seed_t_test,
                                 wilson_interval)
 
@@ -124,6 +125,71 @@ def test_hierarchical_bootstrap_weighs_models_not_examples():
     assert reps.mean() == pytest.approx(0.5, abs=0.01)
     assert hierarchical_bootstrap([], resamples=10).size == 0
     assert math.isnan(percentile_interval(np.empty(0))[0])
+
+
+def test_crossed_bootstrap_enumerated_exactly_on_a_tiny_case():
+    """2 models x 2 items: a replicate draws 2 model slots and, once for all, 2 item slots
+    (4 x 4 equally likely draws); the replicate distribution matches the enumeration."""
+    matrix = np.array([[0.0, 1.0], [1.0, 1.0]])
+    exact: dict[float, float] = {}
+    for models in itertools.product(range(2), repeat=2):
+        for items in itertools.product(range(2), repeat=2):
+            value = float(np.mean([matrix[m, d] for m in models for d in items]))
+            exact[value] = exact.get(value, 0.0) + 1 / 16
+    reps = crossed_bootstrap(matrix, resamples=80000, seed=5)
+    for value, prob in exact.items():
+        assert np.mean(np.isclose(reps, value)) == pytest.approx(prob, abs=0.006)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_crossed_bootstrap_variance_is_models_plus_items(seed):
+    """For an additive matrix a_m + b_d the replicate variance is var(a)/M + var(b)/D
+    (population variances: the bootstrap's own); checked at 3% on random matrices."""
+    rng = np.random.default_rng(seed)
+    n_models, n_items = int(rng.integers(3, 9)), int(rng.integers(50, 300))
+    a, b = rng.normal(0, 0.3, n_models), rng.normal(0, 1.0, n_items)
+    reps = crossed_bootstrap(a[:, None] + b[None, :], resamples=60000, seed=seed)
+    assert reps.mean() == pytest.approx(a.mean() + b.mean(), abs=0.01)
+    assert reps.var() == pytest.approx(a.var() / n_models + b.var() / n_items, rel=0.03)
+
+
+def test_a_shared_item_effect_is_one_draw_crossed_and_averaged_away_nested():
+    """Every model with the same item values (the effect is the document's, not the model's):
+    crossed keeps the items' variance var(b)/D; the nested bootstrap, drawing each model's
+    items anew, divides it by the model count M as well: sqrt(M) narrower."""
+    rng = np.random.default_rng(11)
+    n_models, b = 8, rng.choice([-1.0, 0.0, 1.0], size=400, p=[0.3, 0.6, 0.1])
+    matrix = np.tile(b, (n_models, 1))
+    crossed = crossed_bootstrap(matrix, resamples=40000, seed=1)
+    nested = hierarchical_bootstrap(list(matrix), resamples=40000, seed=1)
+    assert crossed.var() == pytest.approx(b.var() / b.size, rel=0.04)
+    assert nested.var() == pytest.approx(b.var() / b.size / n_models, rel=0.04)
+
+
+def test_crossed_bootstrap_with_counts_is_a_ratio_mean_per_model():
+    """counts make each model's mean sum / count over the drawn items: one model, two files
+    with sums 1 and 4 over 1 and 2 tokens gives 1 (file 0 twice), 5/3 (one of each) or 2 (file
+    1 twice) with probabilities 1/4, 1/2, 1/4; equal counts give the plain crossed means."""
+    reps = crossed_bootstrap(np.array([[1.0, 4.0]]), resamples=40000, seed=2,
+                             counts=np.array([[1.0, 2.0]]))
+    for value, prob in ((1.0, 0.25), (5 / 3, 0.5), (2.0, 0.25)):
+        assert np.mean(np.isclose(reps, value)) == pytest.approx(prob, abs=0.01)
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(3, 7))
+    assert np.allclose(crossed_bootstrap(values * 5, 200, seed=4, counts=np.full((3, 7), 5.0)),
+                       crossed_bootstrap(values, 200, seed=4))
+    with pytest.raises(ValueError, match="counts: expected shape"):
+        crossed_bootstrap(values, 10, counts=np.ones((3, 6)))
+
+
+def test_crossed_bootstrap_edge_cases():
+    assert crossed_bootstrap(np.array([[0.25, 0.25], [0.25, 0.25]]), resamples=50).tolist() == \
+        [0.25] * 50
+    assert crossed_bootstrap(np.empty((0, 3)), resamples=10).size == 0
+    with pytest.raises(ValueError, match="no NaN"):
+        crossed_bootstrap(np.array([[0.0, np.nan]]), resamples=10)
+    with pytest.raises(ValueError, match=r"\[models, items\]"):
+        crossed_bootstrap(np.zeros(4), resamples=10)
 
 
 def test_seed_level_interval_is_wider_than_the_example_level_one():
