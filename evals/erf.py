@@ -37,12 +37,12 @@ Writes into --out: `erf.csv` (tidy: checkpoint, task, prompt, view, layer, dista
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import List, Optional
 
 import numpy as np
 import pandas as pd
@@ -55,6 +55,7 @@ from ced.inference.engine import Cache
 from ced.model import ModelState
 
 from . import plots
+from .cli import option
 
 SHARES = (0.99, 0.999)
 
@@ -356,45 +357,54 @@ def _divergence_curve(path: Path) -> pd.DataFrame:
     return table.groupby(["job", "N"], as_index=False)["value"].mean()
 
 
+@dataclass
+class ErfConfig:
+    """The options of `python -m evals.erf` (its command line is built from these fields by
+    `evals.cli`): measure `checkpoint`s, or summarise an earlier run again (`source`)."""
+
+    out: str = option(help="output directory")
+    source: Optional[str] = option(None, flag="--from", metavar="DIR", help=(
+        "summarise an earlier run's erf.csv again (no --checkpoint, no measuring)"))
+    checkpoint: Optional[List[str]] = option(None, help=(
+        "one or more trained ced models (a run's final/); seeds of one job "
+        "(.../<job>/seed<k>/final) are pooled"))
+    tasks: List[str] = option(factory=lambda: ["running_state", "kv_recall", "copy"],
+                              help="synthetic tasks the prompts come from")
+    examples: int = option(16, help="prompts per task")
+    length: int = option(128, help="prompt length T (tokens)")
+    params: str = option("{}", help=(
+        'generator params per task, JSON: {"running_state": {"window_len": 24}}'))
+    divergence: Optional[str] = option(None, help=(
+        "an evals.divergence divergence.csv/.parquet to draw beside (optional)"))
+    dtype: str = option("float64", choices=["float64", "float32"], help="the models' dtype")
+    bootstrap: int = option(1000, help="bootstrap resamples")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--from", dest="source", default=None, metavar="DIR",
-                   help="summarise an earlier run's erf.csv again (no --checkpoint, no measuring)")
-    p.add_argument("--checkpoint", nargs="+", default=None,
-                   help="one or more trained ced models (a run's final/); seeds of one job "
-                        "(.../<job>/seed<k>/final) are pooled")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tasks", nargs="+", default=["running_state", "kv_recall", "copy"])
-    p.add_argument("--examples", type=int, default=16, help="prompts per task")
-    p.add_argument("--length", type=int, default=128, help="prompt length T (tokens)")
-    p.add_argument("--params", default="{}",
-                   help='generator params per task, JSON: {"running_state": {"window_len": 24}}')
-    p.add_argument("--divergence", default=None,
-                   help="an evals.divergence divergence.csv/.parquet to draw beside (optional)")
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    p.add_argument("--bootstrap", type=int, default=1000)
-    args = p.parse_args(argv)
-    if args.examples < 1:
-        p.error(f"--examples: must be >= 1, got {args.examples}")
+    from .cli import build_parser, config_from_args
+    p = build_parser(ErfConfig, prog="python -m evals.erf", description=__doc__.split("\n\n")[0])
+    c = config_from_args(ErfConfig, p.parse_args(argv))
+    if c.examples < 1:
+        p.error(f"--examples: must be >= 1, got {c.examples}")
     try:
-        params = json.loads(args.params)
+        params = json.loads(c.params)
         if not isinstance(params, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
         p.error(f"--params: {exc}")
-    if (args.source is None) == (args.checkpoint is None):
+    if (c.source is None) == (c.checkpoint is None):
         p.error("give either --checkpoint (measure) or --from DIR (summarise again), not both")
-    divergence = Path(args.divergence) if args.divergence else None
+    divergence = Path(c.divergence) if c.divergence else None
     try:
-        if args.source is not None:
-            resummarize(Path(args.source), Path(args.out), args.bootstrap, divergence)
+        if c.source is not None:
+            resummarize(Path(c.source), Path(c.out), c.bootstrap, divergence)
         else:
-            run([Path(c) for c in args.checkpoint], Path(args.out), args.tasks, args.examples,
-                args.length, params, getattr(torch, args.dtype), args.bootstrap, divergence)
+            run([Path(x) for x in c.checkpoint], Path(c.out), c.tasks, c.examples, c.length,
+                params, getattr(torch, c.dtype), c.bootstrap, divergence)
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"[erf] wrote {args.out}/erf.csv, summary.json, erf.md, erf.png", flush=True)
+    print(f"[erf] wrote {c.out}/erf.csv, summary.json, erf.md, erf.png", flush=True)
     return 0
 
 

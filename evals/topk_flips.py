@@ -22,10 +22,11 @@ visible entry, whatever the format). Results pooled over checkpoints (seeds) wit
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List
 
 import numpy as np
 import pandas as pd
@@ -36,6 +37,7 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.semantics import visible_entries
 from ced.quant import parse_kv_override
 
+from .cli import option
 from .erf import build_prompts, job_of
 
 
@@ -133,22 +135,32 @@ def run(checkpoints: list[Path], out: Path, specs: list[str], tasks: list[str], 
     return {"summary": summary}
 
 
+@dataclass
+class TopkFlipsConfig:
+    """The options of `python -m evals.topk_flips` (its command line is built from these
+    fields by `evals.cli`)."""
+
+    checkpoint: List[str] = option(help="trained ced models (a run's final/)")
+    out: str = option(help="output directory")
+    kv: List[str] = option(factory=lambda: ["indexer:fp4_block32"], help=(
+        "storage overrides to compare against the checkpoint as trained"))
+    tasks: List[str] = option(factory=lambda: ["kv_recall", "copy"],
+                              help="synthetic tasks the prompts come from")
+    examples: int = option(16, help="prompts per task")
+    length: int = option(256, help="prompt length T (tokens)")
+    bootstrap: int = option(1000, help="bootstrap resamples")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", nargs="+", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--kv", nargs="+", default=["indexer:fp4_block32"],
-                   help="storage overrides to compare against the checkpoint as trained")
-    p.add_argument("--tasks", nargs="+", default=["kv_recall", "copy"])
-    p.add_argument("--examples", type=int, default=16, help="prompts per task")
-    p.add_argument("--length", type=int, default=256)
-    p.add_argument("--bootstrap", type=int, default=1000)
-    args = p.parse_args(argv)
+    from .cli import build_parser, config_from_args
+    c = config_from_args(TopkFlipsConfig, build_parser(
+        TopkFlipsConfig, prog="python -m evals.topk_flips",
+        description=__doc__.split("\n\n")[0]).parse_args(argv))
     try:
-        for spec in args.kv:
+        for spec in c.kv:
             parse_kv_override(spec)
-        run([Path(c) for c in args.checkpoint], Path(args.out), args.kv, args.tasks,
-            args.examples, args.length, args.bootstrap)
+        run([Path(x) for x in c.checkpoint], Path(c.out), c.kv, c.tasks, c.examples, c.length,
+            c.bootstrap)
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -72,7 +72,9 @@ def test_unknown_keys():
 
 
 @pytest.mark.parametrize("module,name", [("evals.suites.runner", "SuiteConfig"),
-                                         ("evals.real_text", "RealTextConfig")])
+                                         ("evals.real_text", "RealTextConfig"),
+                                         ("evals.erf", "ErfConfig"),
+                                         ("evals.topk_flips", "TopkFlipsConfig")])
 def test_a_tool_cli_has_one_option_per_config_field(module, name):
     import importlib
     cls = getattr(importlib.import_module(module), name)
