@@ -53,6 +53,7 @@ RESULTS = ROOT / "results" / "core.json"
 SEED = 0
 COMMON = dict(d_model=256, n_heads=4, n_encoder_layers=8, n_decoder_layers=8, window=64,
               vocab_size=259, max_seq_len=8192)
+# the benchmarked ced's sparse read (inference.py and peer.py use this one)
 CED_FIELDS = dict(topk=64, global_from_layer=2, encoder_kv_groups=3, encoder_compress_ratio=2,
                   decoder_compress_ratio=1, decoder_reindex_every=4)
 

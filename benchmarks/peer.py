@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
+import core  # noqa: E402  (benchmarks/core.py: the benchmarked configs)
 from ced import CEDModel, ModelConfig  # noqa: E402
 from ced.cost import forward_flops  # noqa: E402
 from ced.model import MLP, RMSNorm  # noqa: E402
@@ -51,8 +52,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 VARIANTS = ("dense", "swa", "yoco", "ced", "ced_mq")
 COMMON = dict(vocab_size=259, d_model=256, n_heads=4, n_encoder_layers=8, n_decoder_layers=8,
               window=64, d_ff=683, max_seq_len=2048)
-CED_FIELDS = dict(topk=64, global_from_layer=2, encoder_kv_groups=3, encoder_compress_ratio=2,
-                  decoder_compress_ratio=1, decoder_reindex_every=4)
+CED_FIELDS = core.CED_FIELDS   # one definition of the benchmarked ced's sparse read (core.py)
 RATE_TARGETS = {"ced": 0.9, "ced_mq": 0.9, "dense": 0.9, "yoco": 0.9}
 SWA_TARGET_LONG = (2048, 1.3)
 

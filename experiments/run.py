@@ -51,8 +51,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, List, Optional
 
-from .study import (STUDY_DIR, StudyConfig, StudyError, config_hash, load_study,
-                    normalise_overrides)
+from .study import (REAL_TEXT_READING, STUDY_DIR, StudyConfig, StudyError, config_hash,
+                    load_study, normalise_overrides)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "conf")
@@ -545,62 +545,76 @@ class Study:
     def train(self) -> None:
         runs = self.runs()
         for i, (job_name, seed, label) in enumerate(runs, 1):
-            key, run_dir = f"train/{label}", self.run_dir(label)
-            job = next(j for j in self.spec.jobs if j.name == job_name)
-            wanted = self.train_overrides(job_name, seed)
-            action, digest, reason = self.decide(job_name, seed, label)
-            stamp = _read_stamp(run_dir)
-            if action in ("skip", "resume") and stamp and stamp["hash"] != digest:
-                # the same run under overrides written another way: it keeps the new hash
-                _write_stamp(run_dir, {**stamp, "hash": digest, "overrides": wanted,
-                                       "rehashed_from": stamp["hash"]})
-            if action == "skip":
-                print(f"[study] train {label}: {reason}, skipped", flush=True)
-                self.record(key, "skipped", run_dir=str(run_dir), hash=digest)
-                continue
-            if action == "refuse":
-                print(f"[study] train {label}: REFUSED: {reason}; the old run is kept. Pass "
-                      f"on_change=rerun to retrain, or use another out=", flush=True)
-                self.record(key, "refused", run_dir=str(run_dir), hash=digest, reason=reason)
-                continue
-            if action == "rerun":
-                old = (_read_stamp(run_dir) or {}).get("hash", "unknown")
-                aside = run_dir.with_name(f"{run_dir.name}.old-{old}")
-                shutil.rmtree(aside, ignore_errors=True)
-                run_dir.rename(aside)
-                print(f"[study] train {label}: {reason}; RERUNNING (on_change=rerun); the old "
-                      f"run moved to {aside}", flush=True)
-            elif action == "resume":
-                print(f"[study] train {label}: {reason}", flush=True)
-            source = self.reusable(digest) if action == "train" else None
-            if source is not None:
-                shutil.copytree(source, run_dir, dirs_exist_ok=True)
-                _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
-                                       "seed": seed, "reused_from": str(source)})
-                print(f"[study] train {label}: the same training run (hash {digest}) is done "
-                      f"in {source}; copied, not retrained (reuse=)", flush=True)
-                self.record(key, "reused", run_dir=str(run_dir), hash=digest, source=str(source))
-                continue
+            digest = self._settle_run_dir(job_name, seed, label)
+            if digest is not None:
+                self._launch_training(job_name, seed, label, digest, f"{i}/{len(runs)}")
+
+    def _settle_run_dir(self, job_name: str, seed: int, label: str) -> str | None:
+        """Deal with what the run's directory already holds (`decide`: skip, refuse, rerun,
+        resume, or reuse a finished run of the same hash); returns the training hash when
+        `ced.train` is to be launched, None when it is not."""
+        key, run_dir = f"train/{label}", self.run_dir(label)
+        wanted = self.train_overrides(job_name, seed)
+        action, digest, reason = self.decide(job_name, seed, label)
+        stamp = _read_stamp(run_dir)
+        if action in ("skip", "resume") and stamp and stamp["hash"] != digest:
+            # the same run under overrides written another way: it keeps the new hash
+            _write_stamp(run_dir, {**stamp, "hash": digest, "overrides": wanted,
+                                   "rehashed_from": stamp["hash"]})
+        if action == "skip":
+            print(f"[study] train {label}: {reason}, skipped", flush=True)
+            self.record(key, "skipped", run_dir=str(run_dir), hash=digest)
+            return None
+        if action == "refuse":
+            print(f"[study] train {label}: REFUSED: {reason}; the old run is kept. Pass "
+                  f"on_change=rerun to retrain, or use another out=", flush=True)
+            self.record(key, "refused", run_dir=str(run_dir), hash=digest, reason=reason)
+            return None
+        if action == "rerun":
+            old = (stamp or {}).get("hash", "unknown")
+            aside = run_dir.with_name(f"{run_dir.name}.old-{old}")
+            shutil.rmtree(aside, ignore_errors=True)
+            run_dir.rename(aside)
+            print(f"[study] train {label}: {reason}; RERUNNING (on_change=rerun); the old "
+                  f"run moved to {aside}", flush=True)
+        elif action == "resume":
+            print(f"[study] train {label}: {reason}", flush=True)
+        source = self.reusable(digest) if action == "train" else None
+        if source is not None:
+            shutil.copytree(source, run_dir, dirs_exist_ok=True)
             _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
-                                   "seed": seed})
-            overrides = [*self.spec.train, *job.overrides, *seed_overrides(self.spec, seed),
-                         f"train.threads={self.threads}", "train.resume=auto",
-                         f"logging.project={self.project}", f"logging.group={self.group}",
-                         f"logging.name={self.spec.name}-{job_name}-seed{seed}",
-                         f"hydra.run.dir={run_dir}"]
-            if not self.wandb:
-                overrides.append("logging=none")
-            banner(f"train {i}/{len(runs)}: {label} ({' '.join(job.overrides)})")
-            log = self.out / "logs" / f"train_{job_name}_seed{seed}.log"
-            t0 = time.time()
-            code, tail = stream([sys.executable, "-m", "ced.train", *overrides], log, self.env)
-            secs = round(time.time() - t0, 1)
-            if code == 0 and (run_dir / "final" / "model.safetensors").exists():
-                self.record(key, "ok", run_dir=str(run_dir), seconds=secs, hash=digest)
-            else:
-                print(f"[study] train {label}: FAILED (exit {code}); continuing", flush=True)
-                self.record(key, "failed", returncode=code, tail=tail, seconds=secs,
-                            log=str(log), hash=digest)
+                                   "seed": seed, "reused_from": str(source)})
+            print(f"[study] train {label}: the same training run (hash {digest}) is done "
+                  f"in {source}; copied, not retrained (reuse=)", flush=True)
+            self.record(key, "reused", run_dir=str(run_dir), hash=digest, source=str(source))
+            return None
+        _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
+                               "seed": seed})
+        return digest
+
+    def _launch_training(self, job_name: str, seed: int, label: str, digest: str,
+                         position: str) -> None:
+        """Train one run with `ced.train` (resumes from its last checkpoint) and record it."""
+        key, run_dir = f"train/{label}", self.run_dir(label)
+        job = next(j for j in self.spec.jobs if j.name == job_name)
+        overrides = [*self.launch_overrides(job_name, seed),
+                     f"train.threads={self.threads}", "train.resume=auto",
+                     f"logging.project={self.project}", f"logging.group={self.group}",
+                     f"logging.name={self.spec.name}-{job_name}-seed{seed}",
+                     f"hydra.run.dir={run_dir}"]
+        if not self.wandb:
+            overrides.append("logging=none")
+        banner(f"train {position}: {label} ({' '.join(job.overrides)})")
+        log = self.out / "logs" / f"train_{job_name}_seed{seed}.log"
+        t0 = time.time()
+        code, tail = stream([sys.executable, "-m", "ced.train", *overrides], log, self.env)
+        secs = round(time.time() - t0, 1)
+        if code == 0 and (run_dir / "final" / "model.safetensors").exists():
+            self.record(key, "ok", run_dir=str(run_dir), seconds=secs, hash=digest)
+        else:
+            print(f"[study] train {label}: FAILED (exit {code}); continuing", flush=True)
+            self.record(key, "failed", returncode=code, tail=tail, seconds=secs,
+                        log=str(log), hash=digest)
 
     def _reference_config(self, checkpoints: dict[str, tuple[Path, str]]):
         """The ModelConfig of the first checkpoint with a decoder (or the first one; None
@@ -680,10 +694,9 @@ class Study:
             self.record(key, "skipped", reason="no trained checkpoint")
             return
         out = self.out / "real_text"
-        settings = {"replays": [str(v) for v in spec.replays],
-                    "continuation": str(spec.continuation), "passes": spec.passes,
-                    "context": spec.context, "row_len": spec.row_len, "dtype": spec.dtype,
-                    "bootstrap": spec.bootstrap, "max_files": spec.max_files}
+        settings = {name: getattr(spec, name) for name in REAL_TEXT_READING}
+        settings.update(replays=[str(v) for v in spec.replays],
+                        continuation=str(spec.continuation))
         paths = sorted(str(p) for p, _ in checkpoints.values())
         digest = config_hash({"real_text": settings,
                               "trained": sorted(h for _, h in checkpoints.values())})

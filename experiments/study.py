@@ -65,6 +65,13 @@ class SuiteSpec:
     options: Dict[str, Any] = field(default_factory=dict)
 
 
+# The fields of RealTextSpec that are `evals.real_text.RealTextConfig` fields, handed to the
+# reading under the same name with the same defaults (tests/unit/test_study_schema.py checks
+# both), so that a setting has one meaning whether a study or the CLI sets it.
+REAL_TEXT_READING = ("replays", "continuation", "passes", "context", "row_len", "max_files",
+                     "dtype", "bootstrap")
+
+
 @dataclass
 class RealTextSpec:
     """`python -m evals.real_text` options, run over every trained checkpoint of the study

@@ -89,3 +89,24 @@ def test_a_bad_real_text_setting_is_one_line_naming_the_option(tmp_path, capsys)
                  "--passes", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: --passes must be >= 1; got 0"
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def test_a_study_real_text_reading_setting_means_what_the_cli_option_means():
+    """A study's `real_text:` reading keys are RealTextConfig fields under the same name with
+    the same defaults (forms such as W compared as the strings the reading receives)."""
+    from evals.real_text import RealTextConfig
+    from experiments.study import REAL_TEXT_READING, RealTextSpec
+    spec = {f.name: f for f in dataclasses.fields(RealTextSpec)}
+    config = {f.name: f for f in dataclasses.fields(RealTextConfig)}
+    assert set(REAL_TEXT_READING) <= set(spec) & set(config)
+    for name in REAL_TEXT_READING:
+        ours, theirs = _default(spec[name]), _default(config[name])
+        if name in ("replays", "continuation"):
+            ours = [str(v) for v in ours] if isinstance(ours, list) else str(ours)
+        assert ours == theirs, name
+    # every other spec field is the driver's own (lm-eval), not a reading setting in disguise
+    assert not (set(spec) - set(REAL_TEXT_READING)) & set(config)
