@@ -53,6 +53,10 @@ writes into --out:
   findings.md           the tables above in Markdown, for FINDINGS.md, headed by the
                         provenance
 
+A `real_text` study (real_text/ and no suite/) is published by `evals.real_text.publish`
+instead: its tables and plots, training.csv and training_curves.png, provenance.json and
+findings.md.
+
 Pooling over seeds pairs examples within a seed (the same document under `full` and under the
 mode, on the same checkpoint); the seeds' checkpoints differ, so the pooled test asks whether
 the recipe, not one checkpoint, loses accuracy at N.
@@ -796,8 +800,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.study or not args.out:
         p.error("--study and --out are required (or --seed-t FINDINGS_DIR)")
     study = Path(args.study)
+    if not (study / "suite").is_dir() and (study / "real_text").is_dir():
+        from evals.real_text import publish
+        return list_written("findings", lambda: publish(study, Path(args.out)))
     if not (study / "suite").is_dir():
-        p.error(f"--study {study}: no suite/ directory (is it a study directory?)")
+        p.error(f"--study {study}: no suite/ or real_text/ directory (is it a study "
+                "directory?)")
     return list_written("findings", lambda: write_findings(study, Path(args.out), args.alpha))
 
 

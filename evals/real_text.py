@@ -631,6 +631,110 @@ def write_lm_eval(root: Path, out: Path, runs: list[Path] | None = None) -> dict
     return {"lm_eval": out / "lm_eval.csv", "lm_eval_accuracy": out / "lm_eval_accuracy.csv"}
 
 
+# ---- findings/real_text: what FINDINGS.md cites -----------------------------------------------
+
+# the study's tables and plots that findings/real_text/ keeps (tokens.parquet, tens of MB at the
+# findings scale, stays in the study directory)
+PUBLISHED = ("baselines.csv", "kl_by_class.csv", "kl_by_position.csv", "lm_eval.csv",
+             "lm_eval_accuracy.csv", "kl_by_position.png", "kl_by_class.png", "settings.json")
+
+
+def publish(study: Path, out: Path) -> dict[str, Path]:
+    """findings/real_text from a finished `real_text` study directory (`python -m
+    evals.findings --study DIR --out DIR` calls this when DIR has real_text/ and no suite/):
+    the tables and plots of PUBLISHED, training.csv (per run: parameters, steps, last
+    training loss, last validation loss) and training_curves.png, provenance.json (commands,
+    commits, step times) and findings.md (those tables in Markdown, headed by the provenance).
+    FileNotFoundError if the study has no real_text/baselines.csv."""
+    import shutil
+
+    from . import plots
+    from .findings import provenance
+    from .report import load_runs
+    source = Path(study) / "real_text"
+    if not (source / "baselines.csv").exists():
+        raise FileNotFoundError(f"{source}/baselines.csv: the study's real_text step has not "
+                                "run (python -m experiments.run study=real_text ...)")
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name in PUBLISHED:
+        if (source / name).exists():
+            written[name.replace(".", "_")] = Path(shutil.copy2(source / name, out / name))
+    runs = load_runs(Path(study))
+    training = training_summary(runs)
+    written["training"] = out / "training.csv"
+    training.to_csv(written["training"], index=False, float_format="%.6g")
+    figure = plots.training_figure(runs)
+    if figure is not None:
+        written["training_curves"] = plots.save(figure, out / "training_curves.png")
+    info = provenance(Path(study))
+    written["provenance"] = out / "provenance.json"
+    written["provenance"].write_text(json.dumps(info, indent=1) + "\n")
+    written["findings"] = out / "findings.md"
+    written["findings"].write_text(_published_markdown(Path(study), out, info, training))
+    return written
+
+
+def training_summary(runs: dict):
+    """One row per run of `evals.report.load_runs`: job, seed, parameters (final/config.json),
+    the last logged step, its training loss and the last validation loss (nats per byte)."""
+    import pandas as pd
+
+    from .report import params_of
+    rows = []
+    for label, run in runs.items():
+        m = run["metrics"]
+        job, _, seed = label.partition("/seed")
+        last_val = m.dropna(subset=["val/loss"]) if "val/loss" in m else m.iloc[0:0]
+        rows.append({"job": job, "seed": int(seed) if seed else None,
+                     "parameters": params_of(run["config"]),
+                     "step": int(m["step"].max()) if "step" in m and len(m) else None,
+                     "train_loss": float(m["loss"].dropna().iloc[-1]) if "loss" in m and
+                     m["loss"].notna().any() else math.nan,
+                     "val_loss": float(last_val["val/loss"].iloc[-1]) if len(last_val)
+                     else math.nan})
+    return pd.DataFrame(rows, columns=["job", "seed", "parameters", "step", "train_loss",
+                                       "val_loss"])
+
+
+def _published_markdown(study: Path, out: Path, info: dict, training) -> str:
+    """findings.md of `publish`: competence against the n-gram baselines, the seed-level KL
+    per N and token class, each model's KL per N, and the lm-eval drops pooled over distance."""
+    import pandas as pd
+
+    from .findings import _markdown, _provenance_markdown
+    base = pd.read_csv(out / "baselines.csv")
+    base = base.assign(below_bigram=base["bigram_nll"] - base["nll_exact"])
+    classes = pd.read_csv(out / "kl_by_class.csv")
+    seeds, models = classes[classes["level"] == "seeds"], classes[classes["level"] == "model"]
+    md = [f"# {study.name}: real-text findings tables (python -m evals.findings)", "",
+          *_provenance_markdown(info),
+          "## Competence: held-out NLL (nats per byte) against the n-gram baselines", "",
+          _markdown(base, ["job", "seed", "variant", "parameters", "nll_exact", "unigram_nll",
+                           "bigram_nll", "below_bigram", "bytes"], digits=4),
+          "## Training (last logged step)", "",
+          _markdown(training, ["job", "seed", "parameters", "step", "train_loss", "val_loss"],
+                    digits=4),
+          "## KL(exact || replay N) per byte, pooled over each job's models (seed-level CI: "
+          "models and files drawn crossed)", "",
+          _markdown(seeds, ["job", "replay", "N", "group", "models", "files", "bytes", "kl_mean",
+                            "kl_ci_low", "kl_ci_high", "kl_median", "kl_p99", "kl_max",
+                            "dnll_mean", "dnll_ci_low", "dnll_ci_high", "delta_ppl"]),
+          "## Each model's KL over every scored byte (CI over files)", "",
+          _markdown(models[models["group"] == "all"],
+                    ["checkpoint", "replay", "N", "bytes", "kl_mean", "kl_ci_low", "kl_ci_high",
+                     "kl_p99", "kl_max", "delta_ppl"])]
+    if (out / "lm_eval.csv").exists():
+        drops = pd.read_csv(out / "lm_eval.csv")
+        md += ["## lm-eval (ced_code, ced_code_turn): each mode against full, pooled over "
+               "distance", "",
+               _markdown(drops[drops["x"].astype(str) == "all"],
+                         ["job", "family", "mode", "seeds", "n", "acc_full", "acc_mode",
+                          "difference", "ci_low", "ci_high", "seed_ci_low", "seed_ci_high",
+                          "per_seed_difference"])]
+    return "\n".join(md)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .cli import build_parser, config_from_args
     from .findings import list_written

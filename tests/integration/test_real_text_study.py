@@ -91,3 +91,31 @@ def test_a_second_run_skips_the_step(study):
     assert "lm_eval/ced_L2/seed0/ced_code/replay=W: done before" in again.stdout
     drops = pd.read_csv(out / "real_text" / "lm_eval.csv")
     assert set(drops["mode"]) == {"replay=W"}                 # the stale replay=1 is not read
+
+
+def test_the_study_is_published_for_findings(study, tmp_path):
+    """`python -m evals.findings` on a real_text study writes findings/real_text: the tables
+    and plots FINDINGS cites, one training row per run (the steps it trained), the provenance
+    of the invocation, and findings.md whose competence table is baselines.csv's."""
+    out, _ = study
+    target = tmp_path / "findings_real_text"
+    done = subprocess.run([sys.executable, "-m", "evals.findings", "--study", str(out),
+                           "--out", str(target)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("kl_by_position.csv", "kl_by_class.csv", "baselines.csv", "lm_eval.csv",
+                 "kl_by_position.png", "kl_by_class.png", "training.csv",
+                 "training_curves.png", "provenance.json", "findings.md"):
+        assert (target / name).exists(), name
+    assert not (target / "tokens.parquet").exists()         # per byte: stays in the study
+    training = pd.read_csv(target / "training.csv")
+    assert sorted(training["job"]) == ["ced_L2", "ced_L8", "dense", "yoco"]
+    assert (training["step"] == 2).all() and training["val_loss"].notna().all()
+    info = json.loads((target / "provenance.json").read_text())
+    assert info["study"] == "real_text" and info["invocations"][0]["commit"]
+    md = (target / "findings.md").read_text()
+    base = pd.read_csv(target / "baselines.csv")
+    for row in base.itertuples():
+        assert f"| {row.job} | {row.seed} | {row.variant} | {row.parameters} | " \
+               f"{row.nll_exact:.4f} |" in md
+    assert "## lm-eval" in md
