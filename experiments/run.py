@@ -353,11 +353,16 @@ class Study:
                 banner(f"warning: {key} ran {_describe_source(source)}, but this study started "
                        f"at {_describe_source(started)}: the checkout changed while it ran "
                        "(run long studies from a checkout nobody edits: docs/studies.md)")
-        self.status[key] = {"state": state, **info}
+        # which invocation (index into summary.json's invocations) set this entry
+        self.status[key] = {"state": state, **info, "invocation": len(self.invocations)}
         self.write_summary()
 
-    def failed(self) -> list[str]:
-        return [k for k, v in self.status.items() if v["state"] in ("failed", "refused")]
+    def failed(self, earlier: bool | None = None) -> list[str]:
+        """Steps whose entry is failed or refused; earlier=False: only those this invocation
+        set, True: only those an earlier invocation set and this one did not redo."""
+        now = len(self.invocations)
+        return [k for k, v in self.status.items() if v["state"] in ("failed", "refused")
+                and (earlier is None or (v.get("invocation", -1) != now) == earlier)]
 
     def write_summary(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -926,14 +931,17 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     if opts.only in ("all", "report"):
         path = study.report()
     study.write_summary()
-    failed = study.failed()
+    failed, earlier = study.failed(earlier=False), study.failed(earlier=True)
     elapsed = time.time() - study.started
     print(f"\n[study] {spec.name} finished in {elapsed:.0f}s; "
           + (f"FAILED: {', '.join(failed)}" if failed else "all steps ok"), flush=True)
+    if earlier:     # still failed in summary.json, but not run by this invocation
+        print(f"[study] failed in an earlier invocation and not rerun by this one: "
+              f"{', '.join(earlier)}", flush=True)
     print(f"summary: {out / 'summary.json'}")
     if path is not None:
         print(f"report: {path}", flush=True)
-    return 1 if failed else 0
+    return 1 if failed or earlier else 0
 
 
 def _hydra_task(cfg) -> int:

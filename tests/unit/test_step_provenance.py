@@ -64,3 +64,20 @@ def test_outside_a_git_checkout_nothing_is_flagged(study):
     made.record("train/a/seed0", "ok")
     entry = steps(made)["train/a/seed0"]
     assert entry["source"] == {} and "source_changed" not in entry
+
+
+def test_failures_are_split_by_the_invocation_that_recorded_them(study):
+    """A failure kept from an earlier invocation (or from a summary.json written before steps
+    recorded their invocation) is not reported as this invocation's own."""
+    made, _ = study
+    made.invocations = [{"command": "first"}, {"command": "second"}]
+    made.status = {"suite/old": {"state": "failed"},
+                   "train/a/seed0": {"state": "failed", "invocation": 1},
+                   "train/a/seed1": {"state": "ok", "invocation": 0}}
+    made.record("train/a/seed2", "failed", seconds=1.0)
+    made.record("train/a/seed1", "refused", reason="overrides changed")
+    assert steps(made)["train/a/seed2"]["invocation"] == 2
+    assert made.failed(earlier=False) == ["train/a/seed1", "train/a/seed2"]
+    assert made.failed(earlier=True) == ["suite/old", "train/a/seed0"]
+    assert sorted(made.failed()) == ["suite/old", "train/a/seed0", "train/a/seed1",
+                                     "train/a/seed2"]
