@@ -303,7 +303,16 @@ def _read_stamp(directory: Path) -> dict | None:
 
 def _write_stamp(directory: Path, payload: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / STAMP).write_text(json.dumps(payload, indent=1))
+    write_json(directory / STAMP, payload)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """`payload` as indented JSON, written atomically: a crash (or a full disk) mid-write leaves
+    the old file or the new one, never half of one. The study's stamps and summary.json are
+    its record of what ran; a torn one would be read as absent."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
 
 
 class Study:
@@ -366,13 +375,13 @@ class Study:
 
     def write_summary(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "summary.json").write_text(json.dumps({
+        write_json(self.out / "summary.json", {
             "study": self.spec.name, "scale": self.spec.scale,
             "description": self.spec.description, "seeds": list(self.spec.seeds),
             "out": str(self.out), "steps": self.status, "failed": self.failed(),
             "elapsed_s": round(time.time() - self.started, 1),
             "invocations": [*self.invocations, {**self.invocation, "elapsed_s": round(
-                time.time() - self.started, 1)}]}, indent=1))
+                time.time() - self.started, 1)}]})
 
     def runs(self, all_jobs: bool = False) -> list[tuple[str, int, str]]:
         """(job, seed, label) of every training run, label = '<job>/seed<k>'; only the jobs of

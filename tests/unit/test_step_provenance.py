@@ -81,3 +81,19 @@ def test_failures_are_split_by_the_invocation_that_recorded_them(study):
     assert made.failed(earlier=True) == ["suite/old", "train/a/seed0"]
     assert sorted(made.failed()) == ["suite/old", "train/a/seed0", "train/a/seed1",
                                      "train/a/seed2"]
+
+
+def test_summary_json_is_replaced_whole_or_not_at_all(study, monkeypatch):
+    """A crash while summary.json is written (here: os.replace failing) leaves the previous
+    record readable, not a torn file the next invocation would discard."""
+    made, _ = study
+    made.record("train/a/seed0", "ok", seconds=1.0)
+    before = (made.out / "summary.json").read_text()
+
+    def crash(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(driver.os, "replace", crash)
+    with pytest.raises(OSError):
+        made.record("train/a/seed1", "ok", seconds=1.0)
+    assert (made.out / "summary.json").read_text() == before
+    assert "train/a/seed1" not in json.loads(before)["steps"]
