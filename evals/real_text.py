@@ -468,11 +468,18 @@ def run(config: RealTextConfig) -> dict:
         raise ValueError(f"--checkpoint: the models hold out different stdlib splits "
                          f"(validation_fraction {sorted(fractions)}); read them apart")
     tables, forms, models = [], {}, []
-    for checkpoint in checkpoints:
+    started = time.time()
+    for i, checkpoint in enumerate(checkpoints, 1):
         table, lengths, g, nll = score_checkpoint(checkpoint, replays, continuation, passes,
                                                   context, row_len, torch_dtype, batch_size,
                                                   max_files)
         models.append(nll)
+        # minutes a model at the findings scale: say how far the reading is and what is left
+        spent = time.time() - started
+        print(f"[real_text] {i}/{len(checkpoints)} read: {checkpoint} "
+              f"({0 if table is None else len(table)} readings, NLL {nll['nll_exact']:.4f}); "
+              f"{spent / 60:.1f} min so far, about {spent / i * (len(checkpoints) - i) / 60:.1f}"
+              f" min left", file=sys.stderr, flush=True)
         if table is not None:
             tables.append(table)
             forms[checkpoint] = (lengths, g)

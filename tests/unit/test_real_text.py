@@ -227,7 +227,12 @@ def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
                            "--out", str(out),
                            "--max-files", "2", "--row-len", "64", "--context", "16",
                            "--bootstrap", "50", "--dtype", "float64"])
-    assert code == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 0, err
+    # a reading of minutes per model says where it is (one line per model, in order)
+    progress = [line for line in err.splitlines() if line.startswith("[real_text] ")]
+    assert [line.split()[1] for line in progress] == ["1/2", "2/2"], progress
+    assert "min left" in progress[0] and str(dense / "final") in progress[1]
     for name in ("tokens.parquet", "kl_by_position.csv", "kl_by_class.csv", "baselines.csv",
                  "kl_by_position.png", "kl_by_class.png", "settings.json"):
         assert (out / name).exists(), name
