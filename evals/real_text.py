@@ -649,7 +649,8 @@ PUBLISHED = ("baselines.csv", "kl_by_class.csv", "kl_by_position.csv", "lm_eval.
 def publish(study: Path, out: Path) -> dict[str, Path]:
     """findings/real_text from a finished `real_text` study directory (`python -m
     evals.findings --study DIR --out DIR` calls this when DIR has real_text/ and no suite/):
-    the tables and plots of PUBLISHED, training.csv (per run: parameters, steps, last
+    the tables and plots of PUBLISHED, lm-eval's results_*.json of every run (under
+    lm_eval/<job>/seed<k>/<group>/<mode>/, without the samples), training.csv (per run: parameters, steps, last
     training loss, last validation loss) and training_curves.png, provenance.json (commands,
     commits, step times) and findings.md (those tables in Markdown, headed by the provenance).
     FileNotFoundError if the study has no real_text/baselines.csv."""
@@ -667,6 +668,21 @@ def publish(study: Path, out: Path) -> dict[str, Path]:
     for name in PUBLISHED:
         if (source / name).exists():
             written[name.replace(".", "_")] = Path(shutil.copy2(source / name, out / name))
+    # lm-eval's own output (results_*.json; the per-document samples stay) of the runs that
+    # lm_eval_accuracy.csv read: a run of a mode the study no longer asks for is left behind
+    read = set()
+    if (source / "lm_eval_accuracy.csv").exists():
+        import pandas as pd
+        table = pd.read_csv(source / "lm_eval_accuracy.csv")
+        read = set(zip(table["job"], table["mode"]))
+    for mode_file in sorted((source / "lm_eval").glob("*/seed*/*/*/mode.txt")):
+        if (mode_file.parents[3].name, mode_file.read_text().strip()) not in read:
+            continue
+        for result in sorted(mode_file.parent.rglob("results_*.json")):
+            target = out / result.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(result, target)
+            written["lm_eval_results"] = out / "lm_eval"
     runs = load_runs(Path(study))
     training = training_summary(runs)
     written["training"] = out / "training.csv"

@@ -108,6 +108,9 @@ def test_the_study_is_published_for_findings(study, tmp_path):
                  "training_curves.png", "provenance.json", "findings.md"):
         assert (target / name).exists(), name
     assert not (target / "tokens.parquet").exists()         # per byte: stays in the study
+    results = sorted((target / "lm_eval").rglob("results_*.json"))
+    assert len(results) == 3                # lm-eval's own output: ced_L2 full, W; dense full
+    assert not list((target / "lm_eval").rglob("samples_*.jsonl"))
     training = pd.read_csv(target / "training.csv")
     assert sorted(training["job"]) == ["ced_L2", "ced_L8", "dense", "yoco"]
     assert (training["step"] == 2).all() and training["val_loss"].notna().all()
