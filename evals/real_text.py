@@ -699,25 +699,16 @@ def publish(study: Path, out: Path) -> dict[str, Path]:
 
 
 def training_summary(runs: dict):
-    """One row per run of `evals.report.load_runs`: job, seed, parameters (final/config.json),
-    the last logged step, its training loss and the last validation loss (nats per byte)."""
-    import pandas as pd
-
-    from .report import params_of
-    rows = []
-    for label, run in runs.items():
-        m = run["metrics"]
-        job, _, seed = label.partition("/seed")
-        last_val = m.dropna(subset=["val/loss"]) if "val/loss" in m else m.iloc[0:0]
-        rows.append({"job": job, "seed": int(seed) if seed else None,
-                     "parameters": params_of(run["config"]),
-                     "step": int(m["step"].max()) if "step" in m and len(m) else None,
-                     "train_loss": float(m["loss"].dropna().iloc[-1]) if "loss" in m and
-                     m["loss"].notna().any() else math.nan,
-                     "val_loss": float(last_val["val/loss"].iloc[-1]) if len(last_val)
-                     else math.nan})
-    return pd.DataFrame(rows, columns=["job", "seed", "parameters", "step", "train_loss",
-                                       "val_loss"])
+    """`evals.report.training_table` of the runs (the report's own table: last step, training
+    loss, validation loss in nats per byte, parameters), with the run label split into job and
+    seed."""
+    from .report import training_table
+    table = training_table(runs).rename(columns={"params": "parameters", "steps": "step"})
+    label = table["job"].str.partition("/seed")
+    table["job"] = label[0]
+    table.insert(1, "seed", label[2].astype(int))
+    table["parameters"] = table["parameters"].astype("Int64")   # none for an unfinished run
+    return table
 
 
 def _published_markdown(study: Path, out: Path, info: dict, training) -> str:
