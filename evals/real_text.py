@@ -591,29 +591,33 @@ def _class_tables(table, forms: dict, replays: list[str], resamples: int):
 
 # ---- lm-eval over the code tasks ------------------------------------------------------------
 
+def lm_eval_runs(root: Path):
+    """(run directory, job, training seed, mode) of every lm-eval run under
+    root/<job>/seed<k>/<group>/<mode>/, in path order; mode.txt (written when the run ended)
+    names its evals.modes string."""
+    for mode_file in sorted(Path(root).glob("*/seed*/*/*/mode.txt")):
+        run_dir = mode_file.parent
+        yield (run_dir, run_dir.parents[2].name, int(run_dir.parents[1].name[len("seed"):]),
+               mode_file.read_text().strip())
+
+
 def read_lm_eval(root: Path, runs: list[Path] | None = None):
-    """Every lm-eval run under root/<job>/seed<k>/<group>/<mode>/ (mode.txt names the
-    evals.modes string; the samples files come from --log_samples), or only those in `runs`,
-    as suite-style results: job,
-    train_seed, run, mode, family (the task without `ced_`), x (distance bin), id, correct,
-    distance, file."""
+    """Every lm-eval run of `lm_eval_runs(root)` (its samples files come from --log_samples),
+    or only those in `runs`, as suite-style results: job, train_seed, run, mode, family (the
+    task without `ced_`), x (distance bin), id, correct, distance, file."""
     import pandas as pd
     rows = []
     wanted = None if runs is None else {Path(r).resolve() for r in runs}
-    for mode_file in sorted(Path(root).glob("*/seed*/*/*/mode.txt")):
-        run_dir = mode_file.parent
+    for run_dir, job, seed, mode in lm_eval_runs(root):
         if wanted is not None and run_dir.resolve() not in wanted:
             continue
-        job, seed_dir = run_dir.parents[2].name, run_dir.parents[1].name
-        mode = mode_file.read_text().strip()
         for samples in sorted(run_dir.rglob("samples_*.jsonl")):
             with open(samples) as handle:
                 for line in handle:
                     record = json.loads(line)
                     doc = record["doc"]
-                    rows.append({"job": job, "train_seed": int(seed_dir[4:]),
-                                 "run": f"{job}/{seed_dir}", "mode": mode,
-                                 "family": doc["family"], "x": str(doc["x"]),
+                    rows.append({"job": job, "train_seed": seed, "run": f"{job}/seed{seed}",
+                                 "mode": mode, "family": doc["family"], "x": str(doc["x"]),
                                  "id": f"{doc['file']}:{doc['byte']}",
                                  "correct": bool(record["acc"]), "distance": doc["distance"],
                                  "file": doc["file"]})
@@ -675,10 +679,10 @@ def publish(study: Path, out: Path) -> dict[str, Path]:
         import pandas as pd
         table = pd.read_csv(source / "lm_eval_accuracy.csv")
         read = set(zip(table["job"], table["mode"]))
-    for mode_file in sorted((source / "lm_eval").glob("*/seed*/*/*/mode.txt")):
-        if (mode_file.parents[3].name, mode_file.read_text().strip()) not in read:
+    for run_dir, job, _, mode in lm_eval_runs(source / "lm_eval"):
+        if (job, mode) not in read:
             continue
-        for result in sorted(mode_file.parent.rglob("results_*.json")):
+        for result in sorted(run_dir.rglob("results_*.json")):
             target = out / result.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(result, target)

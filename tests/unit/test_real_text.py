@@ -343,3 +343,31 @@ def test_dedent_documents_skip_a_comment_that_gives_the_level_away():
     plain = src.replace(b"    # back at 4\n", b"")
     ann = annotate(plain)
     assert dedent_choices(plain, ann, plain.index(b"z = 2")) == (["z", "    z", "        z"], 1)
+
+
+def test_lm_eval_runs_and_read_lm_eval_walk_the_same_finished_runs(tmp_path):
+    """read_lm_eval and publish find runs through one walk (lm_eval_runs): job, seed and mode
+    come from the path and mode.txt; a run without mode.txt (killed before it ended) is not a
+    run, and `runs=` keeps only the listed ones."""
+    doc = {"family": "code_close", "x": 16, "file": "a.py", "byte": 7, "distance": 20}
+    for job, seed, mode, acc in [("ced_L2", 0, "full", 1), ("ced_L2", 0, "replay=W", 0),
+                                 ("dense", 2, "full", 1)]:
+        run_dir = tmp_path / job / f"seed{seed}" / "ced_code" / mode.replace("=", "_")
+        (run_dir / "model").mkdir(parents=True)
+        (run_dir / "mode.txt").write_text(mode + "\n")
+        (run_dir / "model" / "samples_ced_code_close.jsonl").write_text(
+            json.dumps({"doc": doc, "acc": acc}) + "\n")
+    unfinished = tmp_path / "ced_L8" / "seed1" / "ced_code" / "full" / "model"
+    unfinished.mkdir(parents=True)
+    (unfinished / "samples_ced_code_close.jsonl").write_text(json.dumps({"doc": doc, "acc": 1}))
+    found = [(job, seed, mode) for _, job, seed, mode in real_text.lm_eval_runs(tmp_path)]
+    assert found == [("ced_L2", 0, "full"), ("ced_L2", 0, "replay=W"), ("dense", 2, "full")]
+    table = real_text.read_lm_eval(tmp_path)
+    assert sorted(zip(table["run"], table["mode"], table["correct"])) == [
+        ("ced_L2/seed0", "full", True), ("ced_L2/seed0", "replay=W", False),
+        ("dense/seed2", "full", True)]
+    assert set(table["train_seed"]) == {0, 2} and set(table["id"]) == {"a.py:7"}
+    only = real_text.read_lm_eval(tmp_path, runs=[tmp_path / "dense/seed2/ced_code/full"])
+    assert list(only["run"]) == ["dense/seed2"]
+    with pytest.raises(FileNotFoundError, match="no <job>/seed<k>"):
+        real_text.read_lm_eval(tmp_path / "ced_L8")
