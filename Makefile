@@ -44,9 +44,12 @@ bench-core: $(VENV)/.installed
 bench-train: $(VENV)/.installed
 	$(PY) benchmarks/train.py
 
-# Training step of dense/swa/yoco/ced against a plain GPT of the same size (issue 10 targets).
+# Training step of dense/swa/yoco/ced against a plain GPT of the same size: the short-context
+# table (8x512, 2x2048; minutes) and the long-context one (B = 1, T = 8k-32k, step and prefill,
+# peak memory; not yet timed in full on 2 CPU cores). One table: make bench-peer PEER_ARGS="--tables short"
+PEER_ARGS ?=
 bench-peer: $(VENV)/.installed
-	$(PY) benchmarks/peer.py
+	$(PY) benchmarks/peer.py $(PEER_ARGS)
 
 # Learning probe: a plain GPT (learned or rotary positions) and the ced variants on the same
 # synthetic rows; validation exact match against step -> benchmarks/results/learning.*

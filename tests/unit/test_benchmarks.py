@@ -61,8 +61,8 @@ def test_gpu_check_records_a_failing_cell_and_goes_on(tmp_path, monkeypatch):
 
 
 def test_peer_benchmark_writes_its_table(tmp_path):
-    assert peer.main(["--shapes", "1x32", "--steps", "1", "--warmup", "0", "--variants",
-                      "ced,swa", "--out", str(tmp_path)]) == 0
+    assert peer.main(["--tables", "short", "--shapes", "1x32", "--steps", "1", "--warmup", "0",
+                      "--variants", "ced,swa", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "peer.json").read_text())
     row = data["results"]["1x32"]
     assert set(row) == {"gpt", "ced", "swa"} and row["gpt"]["ratio_to_gpt"] == 1.0
@@ -74,6 +74,42 @@ def test_peer_benchmark_writes_its_table(tmp_path):
         assert r["flop_ratio_executed"] == row["gpt"]["flops_executed"] / r["flops_executed"]
         assert r["rate_vs_gpt"] == r["ratio_to_gpt"] / r["flop_ratio_executed"]
     assert "ideal / executed / rate" in (tmp_path / "peer.md").read_text()
+
+
+def test_peer_long_context_table(tmp_path, monkeypatch):
+    """The long-context table at a toy shape: a step and a prefill per model against the
+    GPT's (its own ratio 1), the peak memory of each from a fresh process, ced's executed
+    FLOPs by kind summing to its total and its early exit doing less than its forward, the
+    layers a half as asked, and a target missed is reported."""
+    monkeypatch.setitem(peer.LONG_STEP_TARGETS, 64, {"ced": 1e6})
+    assert peer.main(["--tables", "long", "--long-shapes", "1x64:1", "--steps", "1",
+                      "--warmup", "0", "--variants", "ced,dense", "--set", "window=16",
+                      "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "peer.json").read_text())
+    assert data["results"] == {} and set(data["long"]) == {"1x64"}
+    row = data["long"]["1x64"]
+    assert set(row) == {"gpt", "ced", "dense"}
+    for phase in ("step", "prefill"):
+        assert row["gpt"][phase]["ratio_to_gpt"] == 1.0
+        for name in row:
+            assert row[name][phase]["peak_mb"] >= 0 and row[name][phase]["tokens_per_s"] > 0
+    ced = row["ced"]
+    assert sum(ced["forward_by_kind"][k] for k in ("linear", "sources", "window_attention",
+                                                   "global_attention", "indexer", "head")) \
+        == ced["forward_executed"]
+    assert ced["prefill_executed"] < ced["forward_executed"]          # early exit at W = 16
+    dense = row["dense"]       # no early exit: the forward, less the LM head on T - 1 tokens
+    assert dense["prefill_executed"] == \
+        dense["forward_executed"] - dense["forward_by_kind"]["head"] * 63 // 64
+    assert data["long_missed"] == [f"ced step at 1x64: {ced['step']['ratio_to_gpt']:.2f}x "
+                                   "< 1000000.0x"]
+    table = (tmp_path / "peer.md").read_text()
+    assert "| 1 x 64 (1) | step |" in table and "| 1 x 64 (1) | prefill |" in table
+    built = peer.build("ced", {}, layers=1, max_len=64)
+    assert (built.cfg.n_encoder_layers, built.cfg.n_decoder_layers) == (1, 1)
+    assert len(peer.build("gpt", {}, layers=1, max_len=64).blocks) == 2
+    with pytest.raises(SystemExit):
+        peer.main(["--tables", "long", "--long-shapes", "1x8192"])          # no :L
 
 
 def test_peer_variants_configs():
