@@ -94,8 +94,9 @@ def build(name: str, overrides: dict, compile_mode: str = "none", layers: int | 
 
     `layers` (the long-context table) replaces COMMON's 8 layers a half (the GPT gets 2 x
     layers, with rotary positions: a learned table would be 8M parameters at 32k), and the
-    encoder's global reads shrink with it: from layer min(2, layers // 2), in at most
-    min(3, the layers left) groups; `max_len` raises max_seq_len above COMMON's 2048."""
+    encoder's global reads shrink with it: from layer min(2, ceil(layers / 2)), in at most
+    min(3, the layers left) groups (with one layer a half only the decoder reads a global
+    KV); `max_len` raises max_seq_len above COMMON's 2048."""
     torch.manual_seed(0)
     max_len = max(max_len or 0, COMMON["max_seq_len"])
     if name == "gpt":
@@ -111,7 +112,7 @@ def build(name: str, overrides: dict, compile_mode: str = "none", layers: int | 
     if layers is not None:
         shape.update(n_encoder_layers=layers, n_decoder_layers=layers)
         if name in ("ced", "ced_mq"):
-            first = min(2, layers // 2)
+            first = min(2, (layers + 1) // 2)
             shape.update(global_from_layer=first, encoder_kv_groups=min(3, layers - first))
     model = CEDModel(model_config(name, **{**shape, **overrides}))
     if compile_mode != "none":
@@ -389,17 +390,27 @@ def markdown_long(long: dict, meta: dict) -> str:
             for phase in ("step", "prefill"):
                 lines.append(f"| {shape.replace('x', ' x ')} | {phase} | " + " | ".join(
                     f"{row[n][phase]['peak_mb']:.0f}" for n in names) + " |")
+    return "\n".join(lines + ["", *flop_table(long)]) + "\n"
+
+
+def flop_table(long: dict) -> list[str]:
+    """Markdown lines: per shape and model the GPT's forward FLOPs over the model's (executed
+    and ideal: the ratio a model would reach at the GPT's FLOP rate), and each kind's share of
+    the model's executed forward."""
+    names = [n for n in VARIANTS if n in next(iter(long.values()))]
     kinds = ("indexer", "global_attention", "window_attention", "linear", "sources", "head")
-    lines += ["", "Executed forward FLOPs (ced.cost), GPT / model, and each kind's share of the "
-              "model's:", "", "| B x T | model | GPT / model | " + " | ".join(kinds) + " |",
-              "|---|---|---|" + "---|" * len(kinds)]
+    lines = ["Forward FLOPs (ced.cost), GPT / model (executed, ideal), and each kind's share of "
+             "the model's executed forward:", "",
+             "| B x T | model | GPT / model, executed | ideal | " + " | ".join(kinds) + " |",
+             "|---|---|---|---|" + "---|" * len(kinds)]
     for shape, row in long.items():
-        for n in names[1:]:
+        gpt = row["gpt"]["forward_executed"]
+        for n in names:
             by_kind, total = row[n]["forward_by_kind"], row[n]["forward_executed"]
-            lines.append(f"| {shape.replace('x', ' x ')} | {n} | "
-                         f"{row['gpt']['forward_executed'] / total:.2f}x | " + " | ".join(
+            lines.append(f"| {shape.replace('x', ' x ')} | {n} | {gpt / total:.2f}x | "
+                         f"{gpt / row[n]['forward_ideal']:.2f}x | " + " | ".join(
                              f"{by_kind[k] / total:.1%}" for k in kinds) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -412,6 +423,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "layers a half (the GPT: 2L)")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                         help="long table: the peak memory of each model and phase")
+    parser.add_argument("--flops-only", action="store_true", help="long table: print the "
+                        "FLOP breakdown of --long-shapes (what each ratio could reach at the "
+                        "GPT's FLOP rate) and time nothing")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=5, help="timed rounds (median)")
@@ -441,6 +455,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.long_shapes = [parse_long_shape(item) for item in args.long_shapes.split(",")]
     except ValueError as exc:
         parser.error(f"--long-shapes: {exc}")
+    shapes = [f"{b}x{t}" for b, t, _ in args.long_shapes]
+    if len(set(shapes)) < len(shapes):
+        parser.error(f"--long-shapes: one row per B x T; got {shapes}")
     args.overrides = {}
     for item in args.set:
         key, _, value = item.partition("=")
@@ -470,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.memory_child)
+        return 0
+    if args.flops_only:
+        print("\n".join(flop_table({
+            f"{b}x{t}": {n: flop_breakdown(n, build(n, args.overrides, layers=layers, max_len=t),
+                                         t, b) for n in args.names}
+            for b, t, layers in args.long_shapes})))
         return 0
     results, long, layers = {}, {}, {}
     for shape in args.shapes.split(",") if "short" in args.tables else []:

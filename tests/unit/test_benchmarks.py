@@ -110,6 +110,16 @@ def test_peer_long_context_table(tmp_path, monkeypatch):
     assert len(peer.build("gpt", {}, layers=1, max_len=64).blocks) == 2
     with pytest.raises(SystemExit):
         peer.main(["--tables", "long", "--long-shapes", "1x8192"])          # no :L
+    with pytest.raises(SystemExit):
+        peer.main(["--flops-only", "--long-shapes", "1x8192:1,1x8192:2"])   # one row a shape
+
+
+def test_peer_flops_only_prints_the_long_breakdown_without_timing(capsys, monkeypatch):
+    monkeypatch.setattr(peer, "bench_long_shape", None)       # nothing may be timed
+    assert peer.main(["--flops-only", "--long-shapes", "1x256:1", "--variants", "ced,swa",
+                      "--set", "window=16"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 x 256 | ced |" in out and "| 1 x 256 | swa |" in out and "| gpt |" not in out
 
 
 def test_peer_variants_configs():
