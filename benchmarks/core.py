@@ -251,23 +251,19 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_memory_child(length: int) -> None:
-    """Runs in a fresh process: builds the ced model, then one early-exit prefill (replay =
-    window) at T=length; prints one JSON line with the peak RSS before and after it.
-
-    Primary number: VmHWM after the prefill minus VmRSS just before it (VmHWM reset to the
-    current RSS first). Secondary: the increase of getrusage's ru_maxrss across the prefill."""
-    model = make_model("ced")
-    model.eval()
-    engine = InferenceEngine(model)
-    ids = make_ids(length, model.cfg.vocab_size)
+def peak_rss_rise(fn) -> dict:
+    """Run `fn()` once and measure how far this process's peak resident memory rose over its
+    resident memory just before: VmHWM after minus VmRSS before, VmHWM reset to the current
+    RSS first (Linux); where that reset is refused, VmHWM after minus before; without
+    /proc, getrusage's ru_maxrss after minus before. Returns the rise in MB ("increase_mb"),
+    the method used, every reading taken, fn's wall time ("seconds") and its return value
+    ("result")."""
     rss_before = proc_status_mb("VmRSS")
     hwm_reset = reset_peak_rss()
     hwm_before = proc_status_mb("VmHWM")
     ru_before = maxrss_mb()
     start = time.perf_counter()
-    with torch.no_grad():
-        result = engine.prefill(ids, replay=model.cfg.window)
+    result = fn()
     elapsed = time.perf_counter() - start
     hwm_after, ru_after = proc_status_mb("VmHWM"), maxrss_mb()
     if hwm_after is not None and rss_before is not None:
@@ -276,12 +272,25 @@ def peak_memory_child(length: int) -> None:
                                               else "VmHWM after - before")
     else:
         increase, method = ru_after - ru_before, "ru_maxrss after - before"
-    print(json.dumps({
-        "T": length, "replay": result.replay, "method": method, "increase_mb": increase,
-        "rss_before_mb": rss_before, "vmhwm_before_mb": hwm_before, "vmhwm_after_mb": hwm_after,
-        "maxrss_before_mb": ru_before, "maxrss_after_mb": ru_after,
-        "maxrss_increase_mb": ru_after - ru_before, "prefill_s": elapsed,
-        "cache_mb": result.cache.nbytes()["total"] / 2 ** 20}), flush=True)
+    return {"increase_mb": increase, "method": method, "rss_before_mb": rss_before,
+            "vmhwm_before_mb": hwm_before, "vmhwm_after_mb": hwm_after,
+            "maxrss_before_mb": ru_before, "maxrss_after_mb": ru_after,
+            "maxrss_increase_mb": ru_after - ru_before, "seconds": elapsed, "result": result}
+
+
+def peak_memory_child(length: int) -> None:
+    """Runs in a fresh process: builds the ced model, then one early-exit prefill (replay =
+    window) at T=length; prints one JSON line with the peak RSS before and after it
+    (`peak_rss_rise`)."""
+    model = make_model("ced")
+    model.eval()
+    engine = InferenceEngine(model)
+    ids = make_ids(length, model.cfg.vocab_size)
+    with torch.no_grad():
+        rise = peak_rss_rise(lambda: engine.prefill(ids, replay=model.cfg.window))
+    result, seconds = rise.pop("result"), rise.pop("seconds")
+    print(json.dumps({"T": length, "replay": result.replay, **rise, "prefill_s": seconds,
+                      "cache_mb": result.cache.nbytes()["total"] / 2 ** 20}), flush=True)
 
 
 def bench_peak_memory(length: int) -> dict:

@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -144,22 +145,33 @@ def make_step(model: torch.nn.Module, ids: torch.Tensor, dtype: str):
     return step
 
 
+def interleaved_rounds(fns: dict, warmup: int, steps: int, label: str,
+                       shown: Callable[[dict], str]) -> dict:
+    """Run every function of `fns` once per round, in order, for `warmup + steps` rounds;
+    key -> the wall times (s) of its last `steps` rounds. Interleaving puts every function
+    under the same machine load round by round, so that ratios paired by round cancel it.
+    After each round prints `label`, the round and `shown(times so far)`."""
+    times: dict = {key: [] for key in fns}
+    for round_ in range(warmup + steps):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if round_ >= warmup:
+                times[key].append(time.perf_counter() - start)
+        print(f"  {label} round {round_ + 1}/{warmup + steps}"
+              f"{' (warm-up)' if round_ < warmup else ''}  {shown(times)}", flush=True)
+    return times
+
+
 def bench_shape(batch: int, length: int, names: list[str], steps: int, warmup: int,
                 dtype: str, overrides: dict, compile_mode: str = "none") -> dict:
     ids = torch.randint(0, 259, (batch, length), generator=torch.Generator().manual_seed(length))
     models = {name: build(name, overrides, compile_mode) for name in names}
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     step_fns = {name: make_step(m.train(), ids, dtype) for name, m in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(warmup + steps):
-        for name in names:
-            start = time.perf_counter()
-            step_fns[name]()
-            if round_ >= warmup:
-                times[name].append(time.perf_counter() - start)
-        shown = "  ".join(f"{n} {times[n][-1]:.2f}s" for n in names if times[n])
-        print(f"  {batch}x{length} round {round_ + 1}/{warmup + steps}"
-              f"{' (warm-up)' if round_ < warmup else ''}  {shown}", flush=True)
+    times = interleaved_rounds(
+        step_fns, warmup, steps, f"{batch}x{length}",
+        lambda t: "  ".join(f"{n} {t[n][-1]:.2f}s" for n in names if t[n]))
     tokens = batch * length
     out = {}
     for name in names:
@@ -237,17 +249,11 @@ def bench_long_shape(batch: int, length: int, layers: int, names: list[str], ste
     fns = {(name, phase): (make_step(m.train(), ids, dtype) if phase == "step"
                            else make_prefill(m, ids, dtype))
            for name, m in models.items() for phase in ("step", "prefill")}
-    times: dict = {key: [] for key in fns}
-    for round_ in range(warmup + steps):
-        for key, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if round_ >= warmup:
-                times[key].append(time.perf_counter() - start)
-        shown = "  ".join(f"{n} {times[n, 'step'][-1]:.1f}/{times[n, 'prefill'][-1]:.1f}s"
-                          for n in names if times[n, "step"])
-        print(f"  {batch}x{length} ({layers} layers a half) round {round_ + 1}/{warmup + steps}"
-              f"{' (warm-up)' if round_ < warmup else ''}  step/prefill: {shown}", flush=True)
+    times = interleaved_rounds(
+        fns, warmup, steps, f"{batch}x{length} ({layers} layers a half)",
+        lambda t: "step/prefill: " + "  ".join(
+            f"{n} {t[n, 'step'][-1]:.1f}/{t[n, 'prefill'][-1]:.1f}s"
+            for n in names if t[n, "step"]))
     out = {}
     for name in names:
         row = {"params": sum(p.numel() for p in models[name].parameters()),
@@ -301,11 +307,7 @@ def memory_child(spec: str) -> None:
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
     else:
-        before = core.proc_status_mb("VmRSS")
-        if not core.reset_peak_rss() or before is None:
-            raise RuntimeError("peak memory needs Linux's /proc/self/status and clear_refs")
-        fn()
-        peak = core.proc_status_mb("VmHWM") - before
+        peak = core.peak_rss_rise(fn)["increase_mb"]
     print(json.dumps({"peak_mb": peak}), flush=True)
 
 
