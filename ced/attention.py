@@ -315,6 +315,10 @@ def _grouped_outer(a: Tensor, x: Tensor, g: int) -> Tensor:
     """sum over the query heads of each K/V head group of a[h, c, j] x[h, c, d]:
     a [B, H, C, k], x [B, H, C, Dh] -> [B, G, C, k, Dh] (the gradient of gathered rows)."""
     b, h, c, n = a.shape
+    if g == h:
+        # one query head a group: a plain outer product, which a matmul with an inner
+        # dimension of 1 computes 2-3x slower on CPU (the same single products, bit for bit)
+        return a.unsqueeze(-1) * x.unsqueeze(-2)
     grouped_a = a.view(b, g, h // g, c, n).permute(0, 1, 3, 4, 2)         # [B, G, C, k, H/G]
     grouped_x = x.view(b, g, h // g, c, x.shape[-1]).transpose(2, 3)       # [B, G, C, H/G, Dh]
     return torch.matmul(grouped_a, grouped_x)

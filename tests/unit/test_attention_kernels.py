@@ -123,6 +123,24 @@ def test_gathered_sets_in_the_fused_node_agree_with_the_reference(seed, kv_heads
         torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_outer_is_the_sum_of_outer_products_over_each_head_group(kv_heads):
+    """The rows' gradient kernel: [B, G, C, k, Dh] = sum over the query heads of each K/V group
+    of a[h, c, j] x[h, c, d]. With one head a group it is the outer product itself, taken by
+    broadcasting, which must equal the product in float32 bit for bit (no summation)."""
+    g = torch.Generator().manual_seed(kv_heads)
+    a = torch.randn(2, 4, 6, 5, generator=g)
+    x = torch.randn(2, 4, 6, 8, generator=g)
+    got = attention_module._grouped_outer(a, x, kv_heads)
+    want = torch.einsum("bgicj,bgicd->bgcjd", a.double().view(2, kv_heads, 4 // kv_heads, 6, 5),
+                        x.double().view(2, kv_heads, 4 // kv_heads, 6, 8))
+    assert got.shape == (2, kv_heads, 6, 5, 8)
+    if kv_heads == 4:
+        assert torch.equal(got, want.float())
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
 def test_unknown_kernel_is_rejected():
     with pytest.raises(ValueError, match="attention kernel: must be one of"):
         set_attention_kernel("triton")
