@@ -46,7 +46,7 @@ bench-train: $(VENV)/.installed
 
 # Training step of dense/swa/yoco/ced against a plain GPT of the same size: the short-context
 # table (8x512, 2x2048; minutes) and the long-context one (B = 1, T = 8k-32k, step and prefill,
-# peak memory; about 10 min at 8k on 2 CPU cores, far longer at 32k). One table: make bench-peer PEER_ARGS="--tables short"
+# peak memory; about 15 min at 8k on 2 CPU cores, far longer at 32k). One table: make bench-peer PEER_ARGS="--tables short"
 PEER_ARGS ?=
 bench-peer: $(VENV)/.installed
 	$(PY) benchmarks/peer.py $(PEER_ARGS)

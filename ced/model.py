@@ -122,6 +122,20 @@ class IndexerQuery(nn.Module):
         dots = torch.relu(torch.einsum("bchd,bed->bche", q, keys) * (self.dim ** -0.5))
         return torch.einsum("bch,bche->bce", w, dots)
 
+    def picked_scores(self, x: Tensor, keys: Tensor, index: Tensor) -> Tensor:
+        """`scores` at the chosen entries only: x [B, C, D], keys [B, E, Di], index [B, C, k]
+        -> [B, C, k], scores(x, keys).gather(-1, index) computed from the k gathered keys of
+        each query. The indexer's KL reads only these, so its gradient needs nothing of the
+        other entries: scoring all of them with autograd kept a [B, C, heads, E] tensor per
+        block for a backward that is zero outside the picks (quadratic memory in T)."""
+        b, c, _ = x.shape
+        q = self.q(x).view(b, c, self.heads, self.dim)
+        w = self.w(x) * (self.heads ** -0.5)
+        offset = (torch.arange(b, device=index.device) * keys.shape[1]).view(b, 1, 1)
+        picked = F.embedding(index + offset, keys.reshape(-1, keys.shape[-1]))  # [B, C, k, Di]
+        dots = torch.relu(torch.einsum("bchd,bckd->bchk", q, picked) * (self.dim ** -0.5))
+        return torch.einsum("bch,bchk->bck", w, dots)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
@@ -157,7 +171,8 @@ class Attention(nn.Module):
             # Only the entries visible to the block's last query can be chosen: scoring the
             # rest (about half of a causal forward's) would be work the selection discards.
             n_read = int(n_visible[c1 - 1])
-            scores = self.indexer.scores(x[:, c0:c1], source.index_keys[:, :n_read])
+            with torch.no_grad():     # the selection's scores; their gradient: picked_scores
+                scores = self.indexer.scores(x[:, c0:c1], source.index_keys[:, :n_read])
             index, valid = select_entries(scores, n_visible[c0:c1], self.cfg.topk,
                                           None if first is None else first[:, c0:c1])
             if index.shape[-1] < slots:   # fewer entries than slots: pad with invalid slots
@@ -166,8 +181,8 @@ class Attention(nn.Module):
             picks.append(index)
             valids.append(valid)
             if ctx.want_aux:
-                picked_scores.append(torch.gather(F.pad(scores, (0, slots - n_read)) if
-                                                  n_read < slots else scores, -1, index))
+                picked_scores.append(self.indexer.picked_scores(
+                    x[:, c0:c1], source.index_keys[:, :max(n_read, 1)], index))
         return Selection(torch.cat(picks, 1), torch.cat(valids, 1),
                          torch.cat(picked_scores, 1) if picked_scores else None)
 

@@ -208,6 +208,50 @@ def test_masked_and_gathered_topk_reads_agree(seed, length, topk, window, ratio,
         assert torch.allclose(a, b, rtol=0, atol=TOL)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), length=st.integers(1, 40), topk=st.integers(1, 7),
+       ratio=st.integers(1, 3), block=st.sampled_from([1, 5, 128]),
+       starts=st.lists(st.integers(0, 45), min_size=1, max_size=2))
+def test_indexer_kl_from_picked_scores_equals_gathering_every_score(seed, length, topk, ratio,
+                                                                     block, starts):
+    """The indexer's KL reads its scores at the chosen entries only (`picked_scores`, from each
+    query's k gathered keys) instead of scoring every entry with autograd and gathering: the
+    same KL and the same gradient of every parameter, in float64 to TOL, with padding slots,
+    replay starts and blocks."""
+    from conftest import make_model
+    from ced.model import IndexerQuery
+
+    def gathered_from_all(self, x, keys, index):     # the definition: score all, then gather
+        scores = self.scores(x, keys)
+        if scores.shape[-1] < index.shape[-1]:
+            scores = torch.nn.functional.pad(scores, (0, index.shape[-1] - scores.shape[-1]))
+        return scores.gather(-1, index)
+
+    results = []
+    for picked in (IndexerQuery.picked_scores, gathered_from_all):
+        cfg = tiny_config("ced", topk=topk, window=max(4, ratio), encoder_compress_ratio=ratio,
+                          decoder_compress_ratio=ratio, attention_block=block,
+                          decoder_reindex_every=1)
+        model = make_model(cfg, seed % 97)
+        ids = torch.randint(0, cfg.vocab_size, (2, length),
+                            generator=torch.Generator().manual_seed(seed))
+        original = IndexerQuery.picked_scores
+        IndexerQuery.picked_scores = picked
+        try:
+            _, aux = model(ids, decoder_replay_start=torch.tensor([starts[0], starts[-1]]),
+                           return_aux=True)
+        finally:
+            IndexerQuery.picked_scores = original
+        aux["indexer_kl"].backward()
+        results.append((aux["indexer_kl"].detach(), [
+            p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            for p in model.parameters()]))
+    (ka, ga), (kb, gb) = results
+    assert torch.allclose(ka, kb, rtol=0, atol=TOL)
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, rtol=0, atol=TOL)
+
+
 def test_global_read_choice_follows_cost():
     """auto: masked while the visible entries are few relative to the slots, gathered for a
     single query (decode) or long caches; explicit modes are obeyed."""
