@@ -123,15 +123,29 @@ class _GatherRows(torch.autograd.Function):
         return grad_rows, None
 
 
+def _flat_rows(entries: Tensor, index: Tensor) -> Tensor:
+    """index [B, C, k] into entries [B, G, E, Dh] as rows of entries.reshape(B * G * E, Dh):
+    LongTensor[B * G * C * k], head-major ([B, G, C, k] order)."""
+    b, h, e, _ = entries.shape
+    offset = (torch.arange(b * h, device=index.device) * e).view(b, h, 1, 1)
+    return (index[:, None] + offset).reshape(-1)
+
+
 def _gather_entries(entries: Tensor, index: Tensor) -> Tensor:
     """entries [B, G, E, Dh], index [B, C, k] -> [B, G, C, k, Dh], head-major so that the reads
     in `attend` are plain batched matmuls (an einsum over a [B, C, k, H, Dh] layout copies in
     its backward and ran at half the speed)."""
     b, h, e, dh = entries.shape
-    offset = (torch.arange(b * h, device=index.device) * e).view(b, h, 1, 1)
-    picked = _GatherRows.apply(entries.reshape(b * h * e, dh),
-                               (index[:, None] + offset).reshape(-1))
+    picked = _GatherRows.apply(entries.reshape(b * h * e, dh), _flat_rows(entries, index))
     return picked.view(b, h, *index.shape[1:], dh)
+
+
+def _add_rows(grad_entries: Tensor, index: Tensor, grad_rows: Tensor) -> None:
+    """The backward of `_gather_entries` into a buffer: grad_entries [B, G, E, Dh] (contiguous)
+    += the rows' gradient [B, G, C, k, Dh] at index [B, C, k]."""
+    dh = grad_entries.shape[-1]
+    grad_entries.view(-1, dh).index_add_(0, _flat_rows(grad_entries, index),
+                                         grad_rows.reshape(-1, dh))
 
 
 def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
@@ -194,8 +208,10 @@ def attention_kernel(name: str):
 @dataclass
 class KeySet:
     """One set of keys a block of queries reads: k, v [B, H, S, Dh], or with gathered=True the
-    per-query rows of a top-k gather [B, G, C, k, Dh] (G K/V heads); hidden: BoolTensor
-    broadcastable to [B, H, C, S] (or [B, H, C, k]), True where a query may not read the key."""
+    per-query rows of a top-k gather [B, G, C, k, Dh] (G K/V heads), given as those rows or,
+    with `index` [B, C, k], as the entries [B, G, E, Dh] they are gathered from when read (the
+    fused read then keeps no copy of them for its backward); hidden: BoolTensor broadcastable
+    to [B, H, C, S] (or [B, H, C, k]), True where a query may not read the key."""
 
     k: Tensor
     v: Tensor
@@ -204,10 +220,17 @@ class KeySet:
     # True when `hidden` is exactly "key j > query i" on a square block that starts at key 0:
     # the fused kernel then masks causally itself and skips the blocks above the diagonal.
     causal: bool = False
+    index: Tensor | None = None
 
     @property
     def width(self) -> int:
-        return self.k.shape[-2]
+        return self.index.shape[-1] if self.index is not None else self.k.shape[-2]
+
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """A gathered set's per-query K and V rows [B, G, C, k, Dh] (gathered with autograd)."""
+        if self.index is None:
+            return self.k, self.v
+        return _gather_entries(self.k, self.index), _gather_entries(self.v, self.index)
 
 
 def _gathered_scores(q: Tensor, k: Tensor) -> Tensor:
@@ -244,9 +267,10 @@ def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
     Returns the output [B, H, C, Dh] and the probabilities over each key set, [B, H, C, S]."""
     b, h, c, _ = q.shape
     logits = []
-    for ks in key_sets:
+    rows = [ks.rows() if ks.gathered else None for ks in key_sets]
+    for ks, kv in zip(key_sets, rows):
         if ks.gathered:
-            scores = _gathered_scores(q, ks.k)
+            scores = _gathered_scores(q, kv[0])
         else:
             scores = torch.matmul(q, ks.k.transpose(-1, -2))
         logits.append(scores.masked_fill(ks.hidden, -torch.inf))
@@ -254,10 +278,10 @@ def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
         logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c, 1))
     probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     out, at, per_set = None, 0, []
-    for ks in key_sets:
+    for ks, kv in zip(key_sets, rows):
         p = probs[..., at:at + ks.width]
         at += ks.width
-        read = _gathered_values(p, ks.v) if ks.gathered else torch.matmul(p, ks.v)
+        read = _gathered_values(p, kv[1]) if ks.gathered else torch.matmul(p, ks.v)
         out = read if out is None else out + read
         per_set.append(p)
     return out, per_set
@@ -270,7 +294,9 @@ class _FlashSet:
     (-inf where hidden) or None when the kernel masks causally itself; empty: BoolTensor of
     the query rows that see none of the set's keys (the kernel reports lse 0 there), or None.
     gathered: the parents are this block's gathered top-k rows [B, G, C, k, Dh] (whole), read
-    with the grouped matmuls of the reference instead of the fused kernel."""
+    with the grouped matmuls of the reference instead of the fused kernel; with `index`
+    [B, C, k] the parents are the entries [B, G, E, Dh] (shared by every block), and the rows
+    are gathered from them in the forward and again in the backward."""
 
     parent: int
     start: int
@@ -279,6 +305,7 @@ class _FlashSet:
     empty: Tensor | None
     causal: bool
     gathered: bool = False
+    index: Tensor | None = None
 
 
 def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
@@ -287,10 +314,13 @@ def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
     mask = None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
                                               device=q.device).masked_fill_(ks.hidden, -torch.inf)
     return _FlashSet(parent, start, start + ks.width, mask,
-                     None if ks.causal else ks.hidden.all(-1), ks.causal, ks.gathered)
+                     None if ks.causal else ks.hidden.all(-1), ks.causal, ks.gathered, ks.index)
 
 
 def _flash_kv(parents: tuple, fs: _FlashSet) -> tuple[Tensor, Tensor]:
+    if fs.gathered and fs.index is not None:
+        return (_gather_entries(parents[fs.parent], fs.index),
+                _gather_entries(parents[fs.parent + 1], fs.index))
     if fs.gathered:
         return parents[fs.parent], parents[fs.parent + 1]
     return (parents[fs.parent][:, :, fs.start:fs.stop],
@@ -376,7 +406,7 @@ class _FlashRead(torch.autograd.Function):
             for fs in sets:
                 if fs.gathered:
                     o, lse, probs = _gathered_read(qc, *_flash_kv(parents, fs), fs)
-                    own[fs.parent] = (probs, lse)
+                    own[c0, fs.parent] = (probs, lse)
                 else:
                     o, lse = _FLASH_FORWARD(qc, *_flash_kv(parents, fs), 0.0, fs.causal,
                                             attn_mask=fs.mask, scale=1.0)
@@ -409,9 +439,9 @@ class _FlashRead(torch.autograd.Function):
         q, sink, out, total, *parents = ctx.saved_tensors
         wants = ctx.needs_input_grad
         grad_q = torch.zeros_like(q) if wants[0] else None
-        # a gathered set's rows belong to one block: their gradient is assigned, not added
-        gathered = {i for _, _, sets in ctx.plan for fs in sets if fs.gathered
-                    for i in (fs.parent, fs.parent + 1)}
+        # a gathered set given as rows belongs to one block: their gradient is assigned
+        gathered = {i for _, _, sets in ctx.plan for fs in sets
+                    if fs.gathered and fs.index is None for i in (fs.parent, fs.parent + 1)}
         grad_parents = [torch.zeros_like(p) if p is not None and wants[3 + i]
                         and i not in gathered else None for i, p in enumerate(parents)]
         grad_sink = torch.zeros_like(sink, dtype=total.dtype) \
@@ -426,9 +456,11 @@ class _FlashRead(torch.autograd.Function):
             for fs in sets:
                 if fs.gathered:
                     dq_set, dk, dv = _gathered_backward(g, qc, *_flash_kv(parents, fs), oc, tc,
-                                                        ctx.own[fs.parent])
+                                                        ctx.own[c0, fs.parent])
                     for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
-                        if wants[3 + i]:
+                        if fs.index is not None and grad_parents[i] is not None:
+                            _add_rows(grad_parents[i], fs.index, d)
+                        elif fs.index is None and wants[3 + i]:
                             grad_parents[i] = d
                 else:
                     dq_set, dk, dv = _FLASH_BACKWARD(g, qc, *_flash_kv(parents, fs), oc, tc,
@@ -474,7 +506,7 @@ def _set_probs(q: Tensor, ks: KeySet, total: Tensor) -> Tensor:
     its slots, [B, H, C, k]), recomputed from the joint log-sum-exp `total` [B, H, C]
     (detached)."""
     with torch.no_grad():
-        scores = (_gathered_scores(q, ks.k) if ks.gathered
+        scores = (_gathered_scores(q, ks.rows()[0]) if ks.gathered
                   else torch.matmul(q, ks.k.transpose(-1, -2)))
         scores = scores.masked_fill(ks.hidden, -torch.inf)
         return torch.exp(scores - total[..., None].to(q.dtype))
@@ -531,7 +563,8 @@ def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
 
 # The K/V tensors `attend` hands `_FlashRead` after (q, sink, plan), as slots: a key set's keys
 # are at its slot and its values at slot + 1. The window's K/V, then the global entries' K/V
-# per query head, then each gathered block's own rows (two slots per block).
+# per query head, then the global entries' K/V per K/V head, which a gathered block's set
+# indexes (its rows are gathered inside the node, and kept nowhere).
 _WINDOW_SLOT, _ENTRY_SLOT, _GATHERED_SLOT = 0, 2, 4
 
 
@@ -571,9 +604,9 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     # them (a gathered read copies the K/V heads' rows and groups the query heads itself).
     entry_k = entry_v = None
     # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
-    # (slot, start) for the fused read (a gathered set: its own rows, in `gathered_rows` from
-    # _GATHERED_SLOT on), the selection, masked)
-    blocks, gathered_rows = [], []
+    # (slot, start) for the fused read (a gathered set: source.k at _GATHERED_SLOT, its
+    # index), the selection, masked)
+    blocks, any_gathered = [], False
     for c0 in range(0, n_queries, block):
         c1 = min(c0 + block, n_queries)
         qpos = query_positions[c0:c1]
@@ -596,10 +629,10 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
                                                h // source.k.shape[1])
             if sparse and not masked:
-                rows = (_gather_entries(source.k, idx), _gather_entries(source.v, idx))
-                key_sets.append(KeySet(*rows, ~valid[:, None], gathered=True))
-                spans.append((_GATHERED_SLOT + len(gathered_rows), 0))
-                gathered_rows.extend(rows)
+                key_sets.append(KeySet(source.k, source.v, ~valid[:, None], gathered=True,
+                                       index=idx))
+                spans.append((_GATHERED_SLOT, 0))
+                any_gathered = True
             else:
                 if masked:
                     hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
@@ -623,7 +656,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                                if ks.width > 0)) for c0, c1, key_sets, spans, *_ in blocks]
         parents = (window.k if window is not None else None,
                    window.v if window is not None else None,
-                   entry_k, entry_v, *gathered_rows)
+                   entry_k, entry_v, *((source.k, source.v) if any_gathered else ()))
         result, total = _FlashRead.apply(q, sink, plan, *parents)
         if wants_mass:
             probs = [_set_probs(q[:, :, c0:c1], key_sets[-1], total[:, :, c0:c1])
