@@ -78,13 +78,20 @@ def test_peer_benchmark_writes_its_table(tmp_path):
 
 def test_peer_long_context_table(tmp_path, monkeypatch):
     """The long-context table at a toy shape: a step and a prefill per model against the
-    GPT's (its own ratio 1), the peak memory of each from a fresh process, ced's executed
+    GPT's (its own ratio 1), the peak memory of a model's phase from a fresh process (one
+    child here: the table takes one per model and phase, 3 s of start-up each), ced's executed
     FLOPs by kind summing to its total and its early exit doing less than its forward, the
     layers a half as asked, and a target missed is reported."""
     monkeypatch.setitem(peer.LONG_STEP_TARGETS, 64, {"ced": 1e6})
+    children = []
+    monkeypatch.setattr(peer, "peak_memory", lambda *args: children.append(args) or 1.0)
     assert peer.main(["--tables", "long", "--long-shapes", "1x64:1", "--steps", "1",
                       "--warmup", "0", "--variants", "ced,dense", "--set", "window=16",
                       "--out", str(tmp_path)]) == 0
+    assert {(a[0], a[4]) for a in children} == {(n, ph) for n in ("gpt", "ced", "dense")
+                                                for ph in ("step", "prefill")}
+    monkeypatch.undo()
+    assert peer.peak_memory("ced", 1, 64, 1, "step", "fp32", {"window": 16}) >= 0  # it runs
     data = json.loads((tmp_path / "peer.json").read_text())
     assert data["results"] == {} and set(data["long"]) == {"1x64"}
     row = data["long"]["1x64"]
@@ -92,7 +99,7 @@ def test_peer_long_context_table(tmp_path, monkeypatch):
     for phase in ("step", "prefill"):
         assert row["gpt"][phase]["ratio_to_gpt"] == 1.0
         for name in row:
-            assert row[name][phase]["peak_mb"] >= 0 and row[name][phase]["tokens_per_s"] > 0
+            assert row[name][phase]["peak_mb"] == 1.0 and row[name][phase]["tokens_per_s"] > 0
     ced = row["ced"]
     assert sum(ced["forward_by_kind"][k] for k in ("linear", "sources", "window_attention",
                                                    "global_attention", "indexer", "head")) \
