@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import ForwardContext, Selection, SourceKV, WindowKV, attend
+from .attention import (ForwardContext, Selection, SourceKV, WindowKV, _gather_entries,
+                        attend)
 from .config import LayerSpec, ModelConfig, build_plan, executed_ff_dim, keep_from
 from .quant import KVStorage, store
 from .semantics import (as_replay_starts, entry_visibility, first_visible_entry, latest_start,
@@ -114,13 +115,18 @@ class IndexerQuery(nn.Module):
         self.q = nn.Linear(cfg.d_model, self.heads * self.dim, bias=False)
         self.w = nn.Linear(cfg.d_model, self.heads, bias=False)
 
-    def scores(self, x: Tensor, keys: Tensor) -> Tensor:
-        """x [B, C, D] (detached by the caller), keys [B, E, Di] -> scores [B, C, E]."""
+    def _score(self, x: Tensor, dot) -> Tensor:
+        """sum_h w_h(x) * relu(q_h(x) . k / sqrt(Di)) over keys that `dot(q)` takes the dot
+        products q [B, C, heads, Di] . k with ([B, C, heads, N]) -> [B, C, N]."""
         b, c, _ = x.shape
         q = self.q(x).view(b, c, self.heads, self.dim)
         w = self.w(x) * (self.heads ** -0.5)
-        dots = torch.relu(torch.einsum("bchd,bed->bche", q, keys) * (self.dim ** -0.5))
-        return torch.einsum("bch,bche->bce", w, dots)
+        dots = torch.relu(dot(q) * (self.dim ** -0.5))
+        return torch.einsum("bch,bchn->bcn", w, dots)
+
+    def scores(self, x: Tensor, keys: Tensor) -> Tensor:
+        """x [B, C, D] (detached by the caller), keys [B, E, Di] -> scores [B, C, E]."""
+        return self._score(x, lambda q: torch.einsum("bchd,bed->bche", q, keys))
 
     def picked_scores(self, x: Tensor, keys: Tensor, index: Tensor) -> Tensor:
         """`scores` at the chosen entries only: x [B, C, D], keys [B, E, Di], index [B, C, k]
@@ -128,13 +134,8 @@ class IndexerQuery(nn.Module):
         each query. The indexer's KL reads only these, so its gradient needs nothing of the
         other entries: scoring all of them with autograd kept a [B, C, heads, E] tensor per
         block for a backward that is zero outside the picks (quadratic memory in T)."""
-        b, c, _ = x.shape
-        q = self.q(x).view(b, c, self.heads, self.dim)
-        w = self.w(x) * (self.heads ** -0.5)
-        offset = (torch.arange(b, device=index.device) * keys.shape[1]).view(b, 1, 1)
-        picked = F.embedding(index + offset, keys.reshape(-1, keys.shape[-1]))  # [B, C, k, Di]
-        dots = torch.relu(torch.einsum("bchd,bckd->bchk", q, picked) * (self.dim ** -0.5))
-        return torch.einsum("bch,bchk->bck", w, dots)
+        picked = _gather_entries(keys[:, None], index)[:, 0]              # [B, C, k, Di]
+        return self._score(x, lambda q: torch.einsum("bchd,bckd->bchk", q, picked))
 
 
 class Attention(nn.Module):
@@ -181,8 +182,8 @@ class Attention(nn.Module):
             picks.append(index)
             valids.append(valid)
             if ctx.want_aux:
-                picked_scores.append(self.indexer.picked_scores(
-                    x[:, c0:c1], source.index_keys[:, :max(n_read, 1)], index))
+                picked_scores.append(self.indexer.picked_scores(x[:, c0:c1],
+                                                                source.index_keys, index))
         return Selection(torch.cat(picks, 1), torch.cat(valids, 1),
                          torch.cat(picked_scores, 1) if picked_scores else None)
 
