@@ -8,6 +8,7 @@ query sees comes from ced/semantics.py; the modules that call `attend` are in ce
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -163,7 +164,7 @@ def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
 # compute the same quantity: the reference (plain matmuls, softmax over concatenated logits; any
 # device and dtype) and, on CPU, torch's fused flash-attention kernel called once per key set
 # with the partial reads merged through their log-sum-exps (a gathered top-k set, whose keys
-# differ per query, is one more partial read there, by grouped matmuls). The choice is speed
+# differ per query, is one more partial read there, by sparse products). The choice is speed
 # only (about 2x on the attention of a training step).
 # ---------------------------------------------------------------------------------------------
 
@@ -207,11 +208,10 @@ def attention_kernel(name: str):
 
 @dataclass
 class KeySet:
-    """One set of keys a block of queries reads: k, v [B, H, S, Dh], or with gathered=True the
-    per-query rows of a top-k gather [B, G, C, k, Dh] (G K/V heads), given as those rows or,
-    with `index` [B, C, k], as the entries [B, G, E, Dh] they are gathered from when read (the
-    fused read then keeps no copy of them for its backward); hidden: BoolTensor broadcastable
-    to [B, H, C, S] (or [B, H, C, k]), True where a query may not read the key."""
+    """One set of keys a block of queries reads: k, v [B, H, S, Dh], or with gathered=True a
+    top-k read: the entries k, v [B, G, E, Dh] (G K/V heads) and each query's picks `index`
+    [B, C, k] into them; hidden: BoolTensor broadcastable to [B, H, C, S] (or [B, H, C, k]),
+    True where a query may not read the key (slot)."""
 
     k: Tensor
     v: Tensor
@@ -227,16 +227,14 @@ class KeySet:
         return self.index.shape[-1] if self.index is not None else self.k.shape[-2]
 
     def rows(self) -> tuple[Tensor, Tensor]:
-        """A gathered set's per-query K and V rows [B, G, C, k, Dh] (gathered with autograd)."""
-        if self.index is None:
-            return self.k, self.v
+        """A gathered set's per-query K and V rows [B, G, C, k, Dh], copied with autograd (the
+        reference read; the fused one reads the entries in place, `_Picks`)."""
         return _gather_entries(self.k, self.index), _gather_entries(self.v, self.index)
 
 
 def _gathered_scores(q: Tensor, k: Tensor) -> Tensor:
-    """q [B, H, C, Dh] against each query's gathered rows k [B, G, C, k, Dh] -> [B, H, C, k].
-    Query head i reads K/V head i // (H / G): per query and K/V head one (H/G x Dh) @ (Dh x k)
-    product, so a multi-query entry (G = 1) is copied once and read by every head."""
+    """q [B, H, C, Dh] against each query's gathered rows k [B, G, C, k, Dh] -> [B, H, C, k]
+    (the reference read). Query head i reads K/V head i // (H / G)."""
     b, h, c, dh = q.shape
     g = k.shape[1]
     grouped = q.view(b, g, h // g, c, dh).transpose(2, 3)            # [B, G, C, H/G, Dh]
@@ -250,6 +248,44 @@ def _gathered_values(p: Tensor, v: Tensor) -> Tensor:
     g = v.shape[1]
     grouped = p.view(b, g, h // g, c, n).transpose(2, 3)              # [B, G, C, H/G, k]
     return torch.matmul(grouped, v).transpose(2, 3).reshape(b, h, c, v.shape[-1])
+
+
+class _Picks:
+    """A query block's top-k picks as a sparse pattern, so that the fused read never copies the
+    picked rows: row (b, h, c) of the queries flattened [B * H * C, Dh] has k nonzeros, at the
+    rows of the entries flattened [B * G * E, Dh] that query head h reads (K/V head
+    h // (H / G)). A copy of the rows is k times the entries' size per query and head, and reading
+    it one (1 x Dh) @ (Dh x k) product at a time is memory-bound; the sparse products read the
+    entries in place (timings: benchmarks/README.md, "Long context"). index [B, C, k] (padding
+    slots must still hold an entry in range: their logits are masked)."""
+
+    def __init__(self, index: Tensor, entries: Tensor, heads: int):
+        b, g, e, self.head_dim = entries.shape
+        c, k = index.shape[1:]
+        kv_head = torch.arange(heads, device=index.device) // (heads // g)
+        offset = (torch.arange(b, device=index.device)[:, None] * g + kv_head) * e   # [B, H]
+        self.columns = (index[:, None] + offset[:, :, None, None]).reshape(-1)
+        self.row_starts = torch.arange(0, b * heads * c * k + 1, k, device=index.device)
+        self.size = (b * heads * c, b * g * e)
+        self.shape = (b, heads, c, k)
+
+    def _matrix(self, values: Tensor) -> Tensor:
+        with warnings.catch_warnings():       # torch warns once that sparse CSR is in beta
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(self.row_starts, self.columns, values.reshape(-1),
+                                           self.size, check_invariants=False)
+
+    def dots(self, x: Tensor, entries: Tensor) -> Tensor:
+        """x [B, H, C, Dh] dotted with each query head's picked entries -> [B, H, C, k]."""
+        pattern = self._matrix(x.new_zeros(self.columns.shape))
+        out = torch.sparse.sampled_addmm(pattern, x.reshape(-1, self.head_dim),
+                                         entries.reshape(-1, self.head_dim).t(), beta=0.0)
+        return out.values().view(self.shape)
+
+    def sums(self, weights: Tensor, entries: Tensor) -> Tensor:
+        """sum_j weights[..., j] * picked entry j: weights [B, H, C, k] -> [B, H, C, Dh]."""
+        out = torch.sparse.mm(self._matrix(weights), entries.reshape(-1, self.head_dim))
+        return out.view(*self.shape[:3], self.head_dim)
 
 
 def _per_query_head(entries: Tensor, heads: int) -> Tensor:
@@ -293,10 +329,9 @@ class _FlashSet:
     start:stop of parents[parent] and parents[parent + 1]; mask: the additive float mask
     (-inf where hidden) or None when the kernel masks causally itself; empty: BoolTensor of
     the query rows that see none of the set's keys (the kernel reports lse 0 there), or None.
-    gathered: the parents are this block's gathered top-k rows [B, G, C, k, Dh] (whole), read
-    with the grouped matmuls of the reference instead of the fused kernel; with `index`
-    [B, C, k] the parents are the entries [B, G, E, Dh] (shared by every block), and the rows
-    are gathered from them in the forward and again in the backward."""
+    gathered: a top-k read: the parents are the entries [B, G, E, Dh] (shared by every block)
+    and `index` [B, C, k] the block's picks, read in place by sparse products (`_Picks`)
+    instead of the fused kernel."""
 
     parent: int
     start: int
@@ -318,9 +353,6 @@ def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
 
 
 def _flash_kv(parents: tuple, fs: _FlashSet) -> tuple[Tensor, Tensor]:
-    if fs.gathered and fs.index is not None:
-        return (_gather_entries(parents[fs.parent], fs.index),
-                _gather_entries(parents[fs.parent + 1], fs.index))
     if fs.gathered:
         return parents[fs.parent], parents[fs.parent + 1]
     return (parents[fs.parent][:, :, fs.start:fs.stop],
@@ -330,15 +362,16 @@ def _flash_kv(parents: tuple, fs: _FlashSet) -> tuple[Tensor, Tensor]:
 def _gathered_read(qc: Tensor, k: Tensor, v: Tensor, fs: _FlashSet
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """A gathered key set's normalised read and log-sum-exp, as the fused kernel returns them
-    for a plain set, and its own probabilities (kept for the backward): qc [B, H, C, Dh], rows
-    k, v [B, G, C, k, Dh] -> [B, H, C, Dh], [B, H, C] (-inf and a zero read on rows that see
-    none of the set's keys), [B, H, C, k]."""
-    scores = _gathered_scores(qc, k) + fs.mask
+    for a plain set, and its own probabilities (kept for the backward): qc [B, H, C, Dh],
+    entries k, v [B, G, E, Dh] picked by fs.index -> [B, H, C, Dh], [B, H, C] (-inf and a zero
+    read on rows that see none of the set's keys), [B, H, C, k]."""
+    picks = _Picks(fs.index, k, qc.shape[1])
+    scores = picks.dots(qc, k) + fs.mask
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     if fs.empty is not None:
         probs = probs.masked_fill(fs.empty[..., None], 0.0)
-    return _gathered_values(probs, v), lse, probs
+    return picks.sums(probs, v), lse, probs
 
 
 def _grouped_outer(a: Tensor, x: Tensor, g: int) -> Tensor:
@@ -355,19 +388,22 @@ def _grouped_outer(a: Tensor, x: Tensor, g: int) -> Tensor:
 
 
 def _gathered_backward(g: Tensor, qc: Tensor, k: Tensor, v: Tensor, oc: Tensor, tc: Tensor,
-                       own: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                       own: tuple[Tensor, Tensor], index: Tensor
+                       ) -> tuple[Tensor, Tensor, Tensor]:
     """The joint softmax's gradient through a gathered set, given the joint output oc and
     log-sum-exp tc of the block (as `_FLASH_BACKWARD` takes them for a plain set) and the set's
     own (probabilities, lse) from the forward: the joint probabilities are
-    p = p_own * exp(lse_own - L), and ds = p * (g.v - rowsum(g * out)). Returns dq
-    [B, H, C, Dh] and the rows' dk, dv [B, G, C, k, Dh]."""
+    p = p_own * exp(lse_own - L), and ds = p * (g.v - rowsum(g * out)). Entries k, v
+    [B, G, E, Dh] picked by index [B, C, k]. Returns dq [B, H, C, Dh] and the picked rows'
+    dk, dv [B, G, C, k, Dh] (`_add_rows` adds them into the entries' gradient)."""
     own_probs, own_lse = own
     scale = torch.exp(own_lse - tc).nan_to_num(0.0)     # 0 on rows that see none of the set
     probs = own_probs * scale[..., None].to(qc.dtype)
     row = (g * oc).sum(-1, keepdim=True)
-    ds = probs * (_gathered_scores(g, v) - row)
+    picks = _Picks(index, k, qc.shape[1])
+    ds = probs * (picks.dots(g, v) - row)
     heads = k.shape[1]
-    return _gathered_values(ds, k), _grouped_outer(ds, qc, heads), _grouped_outer(probs, g, heads)
+    return picks.sums(ds, k), _grouped_outer(ds, qc, heads), _grouped_outer(probs, g, heads)
 
 
 def _sink_lse(sink: Tensor | None, like: Tensor) -> Tensor:
@@ -386,8 +422,9 @@ class _FlashRead(torch.autograd.Function):
     the fused backward per set with the joint output and L in place of the set's own: the kernel
     then recomputes the joint probabilities exp(s - L) and its row term rowsum(grad * out) is
     the joint one, which is exactly the gradient of the joint softmax (no term is missing).
-    A gathered top-k set (`_FlashSet.gathered`: its parents are the block's own rows) takes the
-    same two steps by grouped matmuls (`_gathered_read`, `_gathered_backward`).
+    A gathered top-k set (`_FlashSet.gathered`: its parents are the entries, its index the
+    block's picks) takes the same two steps by sparse products (`_gathered_read`,
+    `_gathered_backward`).
 
     Why one node for all blocks: with a node per block, autograd would back-propagate each
     block's slice of q and of the shared K/V as a zero tensor the size of the whole parent,
@@ -439,11 +476,8 @@ class _FlashRead(torch.autograd.Function):
         q, sink, out, total, *parents = ctx.saved_tensors
         wants = ctx.needs_input_grad
         grad_q = torch.zeros_like(q) if wants[0] else None
-        # a gathered set given as rows belongs to one block: their gradient is assigned
-        gathered = {i for _, _, sets in ctx.plan for fs in sets
-                    if fs.gathered and fs.index is None for i in (fs.parent, fs.parent + 1)}
-        grad_parents = [torch.zeros_like(p) if p is not None and wants[3 + i]
-                        and i not in gathered else None for i, p in enumerate(parents)]
+        grad_parents = [torch.zeros_like(p) if p is not None and wants[3 + i] else None
+                        for i, p in enumerate(parents)]
         grad_sink = torch.zeros_like(sink, dtype=total.dtype) \
             if sink is not None and wants[1] else None
         # last block first, the order in which autograd ran a node per block
@@ -456,12 +490,10 @@ class _FlashRead(torch.autograd.Function):
             for fs in sets:
                 if fs.gathered:
                     dq_set, dk, dv = _gathered_backward(g, qc, *_flash_kv(parents, fs), oc, tc,
-                                                        ctx.own[c0, fs.parent])
+                                                        ctx.own[c0, fs.parent], fs.index)
                     for i, d in ((fs.parent, dk), (fs.parent + 1, dv)):
-                        if fs.index is not None and grad_parents[i] is not None:
+                        if grad_parents[i] is not None:
                             _add_rows(grad_parents[i], fs.index, d)
-                        elif fs.index is None and wants[3 + i]:
-                            grad_parents[i] = d
                 else:
                     dq_set, dk, dv = _FLASH_BACKWARD(g, qc, *_flash_kv(parents, fs), oc, tc,
                                                      0.0, fs.causal, attn_mask=fs.mask,
@@ -489,7 +521,7 @@ def _fused_kernel_takes(q: Tensor) -> bool:
 
 def _flash_applies(q: Tensor, key_sets: list[KeySet]) -> bool:
     """Whether `_FlashRead` takes these key sets: the fused kernel for plain sets, and its
-    grouped matmuls for gathered ones, in float32/float64 (in bf16 the reference's softmax over
+    sparse products for gathered ones, in float32/float64 (in bf16 the reference's softmax over
     the concatenated logits stays the one place that rounds them) and for more than one query
     (one decode query: the reference's few small matmuls cost less than the node). In a
     training forward the node saves the per-block slice gradients of q and of the window K/V.
@@ -506,7 +538,7 @@ def _set_probs(q: Tensor, ks: KeySet, total: Tensor) -> Tensor:
     its slots, [B, H, C, k]), recomputed from the joint log-sum-exp `total` [B, H, C]
     (detached)."""
     with torch.no_grad():
-        scores = (_gathered_scores(q, ks.rows()[0]) if ks.gathered
+        scores = (_Picks(ks.index, ks.k, q.shape[1]).dots(q, ks.k) if ks.gathered
                   else torch.matmul(q, ks.k.transpose(-1, -2)))
         scores = scores.masked_fill(ks.hidden, -torch.inf)
         return torch.exp(scores - total[..., None].to(q.dtype))
@@ -564,7 +596,7 @@ def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
 # The K/V tensors `attend` hands `_FlashRead` after (q, sink, plan), as slots: a key set's keys
 # are at its slot and its values at slot + 1. The window's K/V, then the global entries' K/V
 # per query head, then the global entries' K/V per K/V head, which a gathered block's set
-# indexes (its rows are gathered inside the node, and kept nowhere).
+# indexes (its picked rows are read in place, never copied).
 _WINDOW_SLOT, _ENTRY_SLOT, _GATHERED_SLOT = 0, 2, 4
 
 
@@ -601,7 +633,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     if causal:
         block = n_queries
     # Global K/V per query head for the plain and masked reads, made when a block first needs
-    # them (a gathered read copies the K/V heads' rows and groups the query heads itself).
+    # them (a gathered read takes the K/V heads' entries and maps the query heads itself).
     entry_k = entry_v = None
     # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
     # (slot, start) for the fused read (a gathered set: source.k at _GATHERED_SLOT, its

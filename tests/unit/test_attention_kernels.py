@@ -86,17 +86,19 @@ def test_the_fused_kernel_is_the_one_that_runs_on_cpu(monkeypatch):
     with attention_kernel("reference"):
         joint_read(q, sets, sink)
     assert not calls
-    gathered = KeySet(torch.randn(1, 2, 4, 3, 8, dtype=torch.float64),
-                      torch.randn(1, 2, 4, 3, 8, dtype=torch.float64),
-                      torch.zeros(1, 1, 4, 3, dtype=torch.bool), gathered=True)
+    index = torch.randint(0, 5, (1, 4, 3))
+    gathered = KeySet(torch.randn(1, 2, 5, 8, dtype=torch.float64),
+                      torch.randn(1, 2, 5, 8, dtype=torch.float64),
+                      torch.zeros(1, 1, 4, 3, dtype=torch.bool), gathered=True, index=index)
     joint_read(q, [gathered], sink)
     assert calls, "a gathered top-k set in float64 is read inside the fused node"
     calls.clear()
-    one = KeySet(gathered.k[:, :, :1], gathered.v[:, :, :1], gathered.hidden[:, :, :1],
-                 gathered=True)
+    one = KeySet(gathered.k, gathered.v, gathered.hidden[:, :, :1], gathered=True,
+                 index=index[:, :1])
     joint_read(q[:, :, :1], [one], sink)
     assert not calls, "one query (a decode step): the reference reads a gathered set"
-    bf16 = KeySet(gathered.k.bfloat16(), gathered.v.bfloat16(), gathered.hidden, gathered=True)
+    bf16 = KeySet(gathered.k.bfloat16(), gathered.v.bfloat16(), gathered.hidden, gathered=True,
+                  index=index)
     joint_read(q.detach().bfloat16(), [bf16], sink.detach().bfloat16())
     assert not calls, "in bf16 a gathered set stays with the reference"
 
@@ -105,22 +107,44 @@ def test_the_fused_kernel_is_the_one_that_runs_on_cpu(monkeypatch):
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("plain_widths", [[], [6], [5, 9]])
 def test_gathered_sets_in_the_fused_node_agree_with_the_reference(seed, kv_heads, plain_widths):
-    """A gathered top-k set (per-query rows [B, G, C, k, Dh], G K/V heads for 4 query heads)
-    beside plain sets: outputs, its probabilities and every gradient (rows included) as the
-    reference computes them, including query rows that see none of its slots."""
+    """A gathered top-k set (entries [B, G, E, Dh], G K/V heads for 4 query heads, and 5 picks
+    a query, some picked twice as padding slots are) beside plain sets: outputs, its
+    probabilities and every gradient (the entries' included) as the reference computes them
+    by copying the picked rows, including query rows that see none of its slots."""
     q, sets, sink = random_key_sets(seed, batch=2, heads=4, queries=6, widths=plain_widths)
     g = torch.Generator().manual_seed(100 + seed)
-    k = torch.randn(2, kv_heads, 6, 5, 8, generator=g, dtype=torch.float64).requires_grad_()
-    v = torch.randn(2, kv_heads, 6, 5, 8, generator=g, dtype=torch.float64).requires_grad_()
+    k = torch.randn(2, kv_heads, 7, 8, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(2, kv_heads, 7, 8, generator=g, dtype=torch.float64).requires_grad_()
+    index = torch.randint(0, 7, (2, 6, 5), generator=g)
     hidden = torch.rand(2, 1, 6, 5, generator=g) < 0.4
     hidden[:, :, 0] = True                           # no valid slot for query 0
-    sets.append(KeySet(k, v, hidden, gathered=True))
+    sets.append(KeySet(k, v, hidden, gathered=True, index=index))
     ref = run("reference", q, sets, sink, probs_of=len(sets) - 1)
     fused = run("auto", q, sets, sink, probs_of=len(sets) - 1)
     torch.testing.assert_close(fused[0], ref[0], rtol=0, atol=TOL)
     torch.testing.assert_close(fused[1], ref[1], rtol=0, atol=TOL)
     for got, want in zip(fused[2], ref[2]):
         torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+def test_the_fused_node_reads_picked_entries_in_place(monkeypatch):
+    """Forward and backward of a gathered set in the fused node never copy the picked rows
+    (k rows per query and head: the copy made the read memory-bound and held a gigabyte a
+    layer at 8k tokens); only the reference read does."""
+    q, sets, sink = random_key_sets(1, batch=2, heads=4, queries=6, widths=[5])
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64).requires_grad_()
+    sets.append(KeySet(k, v, torch.zeros(2, 1, 6, 4, dtype=torch.bool), gathered=True,
+                       index=torch.randint(0, 9, (2, 6, 4), generator=g)))
+    copies = []
+    original = attention_module._GatherRows.apply
+    monkeypatch.setattr(attention_module._GatherRows, "apply",
+                        lambda *a: copies.append(1) or original(*a))
+    run("auto", q, sets, sink, probs_of=1)
+    assert not copies
+    run("reference", q, sets, sink, probs_of=1)
+    assert copies, "the reference copies the rows (the check above can see a copy)"
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
