@@ -10,11 +10,36 @@ CLI resolves `--model` before it loads task code, so the bare `lm_eval` command 
 model that nothing imported. This wrapper imports the registration and hands over.
 """
 
+import argparse
 import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def _index_included_tasks_only(argv: list[str]) -> None:
+    """lm-eval's CLI indexes every task file it ships (thousands of YAMLs: seconds per run,
+    most of a small run's time) before it looks up the tasks asked for. When every --tasks name
+    is a task or group of --include_path (as the ced tasks are), its task manager indexes that
+    path alone: the same tasks are found, and nothing else is read."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tasks", "-t", nargs="*", default=[])
+    parser.add_argument("--include_path", default=None)
+    known, _ = parser.parse_known_args(argv)
+    asked = {name for item in known.tasks for name in item.split(",") if name}
+    if not asked or known.include_path is None:
+        return
+    import lm_eval.tasks
+
+    shipped = lm_eval.tasks.TaskManager
+
+    class IncludedOnly(shipped):
+        def __init__(self, *args, include_defaults: bool = False, **kwargs):
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    if asked <= set(IncludedOnly(include_path=known.include_path).all_tasks):
+        lm_eval.tasks.TaskManager = IncludedOnly
 
 
 def main() -> None:
@@ -43,6 +68,7 @@ def main() -> None:
     from evals.lmeval.model import ModelArgsError
 
     sys.argv[0] = "lm-eval"
+    _index_included_tasks_only(sys.argv[1:])
     try:
         cli_evaluate()
     except ModelArgsError as exc:   # a typo in --model_args, a bad mode or checkpoint: one line

@@ -258,6 +258,31 @@ def test_lm_eval_shell_entry_point(checkpoint, tasks):
     assert "ced_recall" in done.stdout and "ced_short_gen" in done.stdout
 
 
+def test_the_entry_point_indexes_only_the_include_path_when_it_has_every_task(tasks,
+                                                                             monkeypatch):
+    """Indexing lm-eval's own task files is most of a small run's time: when every --tasks name
+    is in --include_path the wrapper's task manager reads that path alone (and still finds the
+    tasks); a task from anywhere else keeps lm-eval's full index."""
+    import lm_eval.tasks
+
+    from evals.lmeval.__main__ import _index_included_tasks_only
+    task_dir, _, _ = tasks
+    shipped = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", shipped)
+    _index_included_tasks_only(["--model", "ced", "--include_path", str(task_dir),
+                                "--tasks", "ced_recall,ced_suite", "--limit", "2"])
+    narrowed = lm_eval.tasks.TaskManager
+    assert narrowed is not shipped
+    manager = narrowed(include_path=str(task_dir))
+    assert {"ced_recall", "ced_suite"} <= set(manager.all_tasks)
+    assert "hellaswag" not in manager.all_tasks         # lm-eval's own tasks are not indexed
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", shipped)
+    for argv in (["--include_path", str(task_dir), "--tasks", "ced_recall", "hellaswag"],
+                 ["--tasks", "ced_recall"]):
+        _index_included_tasks_only(argv)
+        assert lm_eval.tasks.TaskManager is shipped, argv
+
+
 def test_group_with_aggregate_and_limit_samples_every_distance(checkpoint, tasks):
     """`--tasks ced_suite` is a group whose score aggregates its families; with `--limit`, a
     family's first documents cover its distances rather than repeating the first one."""
