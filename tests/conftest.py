@@ -123,7 +123,7 @@ def configs(draw, variants=("dense", "swa", "yoco", "ced")) -> ModelConfig:
 # worker busy), so `make test` passes --no-loadscope-reorder. Seconds per file beside another
 # worker, measured 2026-12-04 (--junitxml, summed per file, beside a one-thread training on
 # the same 2 cores; test_demo's study is a module fixture, counted at about 100 s before).
-SLOW_FILES = {"test_recipe_recall.py": 122, "test_train.py": 119, "test_sweeps.py": 108,
+SLOW_FILES = {"test_train.py": 119, "test_sweeps.py": 108,
               "test_demo.py": 100, "test_faults.py": 89, "test_daily_loop.py": 81,
               "test_invariants.py": 62, "test_recipe.py": 53, "test_hydra_configs.py": 49,
               "test_run_safety.py": 44, "test_lm_eval.py": 33, "test_registry.py": 30,

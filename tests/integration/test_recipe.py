@@ -6,8 +6,7 @@ not by position. With the loss on answer tokens only, a small yoco learns it com
 steps (about 35 s on one core); with the same budget and the loss on every token it stays near
 chance, because the filler words dominate the gradient (measured: 1.00 against 0.02).
 
-Associative recall through ced's global read is in test_recipe_recall.py (a file of its own, so
-that pytest-xdist's --dist loadfile runs the two slow tests on different workers)."""
+Associative recall through ced's global read is in test_recipe_recall.py (`make test-slow`)."""
 
 from __future__ import annotations
 
