@@ -105,6 +105,11 @@ class GlobalKVSource(nn.Module):
             state.pending_gates = gates[:, n_new * m:]
 
 
+# Entries the selection scores at a time (IndexerQuery.scores): the [B, C, heads, chunk]
+# intermediate of a 128-query block then stays in cache (timings: benchmarks/README.md).
+SCORE_CHUNK = 1024
+
+
 class IndexerQuery(nn.Module):
     """The lightning indexer's query side for a Full or Reindex layer:
     score(i, j) = sum_h w_h(x_i) * relu(q_h(x_i) . k_j)."""
@@ -125,8 +130,27 @@ class IndexerQuery(nn.Module):
         return torch.einsum("bch,bchn->bcn", w, dots)
 
     def scores(self, x: Tensor, keys: Tensor) -> Tensor:
-        """x [B, C, D] (detached by the caller), keys [B, E, Di] -> scores [B, C, E]."""
-        return self._score(x, lambda q: torch.einsum("bchd,bed->bche", q, keys))
+        """x [B, C, D] (detached by the caller), keys [B, E, Di] -> scores [B, C, E].
+
+        Without autograd (the selection's scores) the entries are scored SCORE_CHUNK at a time,
+        the relu and scale in place: the all-pairs intermediate [B, C, heads, E] then never
+        leaves the cache, where written whole it made the scoring memory-bound at long T. Each
+        score is the same operations on the same numbers either way (its dot over Di, then the
+        sum over heads); a narrow last chunk may be served by another matmul kernel and differ
+        in the last bits, as a block of another width always could, which `round_scores` makes
+        an exact tie (tests/unit/test_semantics.py)."""
+        if torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad
+                                        or any(p.requires_grad for p in self.parameters())):
+            return self._score(x, lambda q: torch.einsum("bchd,bed->bche", q, keys))
+        b, c, _ = x.shape
+        q = self.q(x).view(b, c, self.heads, self.dim)
+        w = self.w(x) * (self.heads ** -0.5)
+        out = x.new_empty(b, c, keys.shape[1])
+        for e0 in range(0, keys.shape[1], SCORE_CHUNK):
+            dots = torch.einsum("bchd,bed->bche", q, keys[:, e0:e0 + SCORE_CHUNK])
+            dots.mul_(self.dim ** -0.5).clamp_(min=0)
+            out[:, :, e0:e0 + SCORE_CHUNK] = torch.einsum("bch,bchn->bcn", w, dots)
+        return out
 
     def picked_scores(self, x: Tensor, keys: Tensor, index: Tensor) -> Tensor:
         """`scores` at the chosen entries only: x [B, C, D], keys [B, E, Di], index [B, C, k]

@@ -252,6 +252,32 @@ def test_indexer_kl_from_picked_scores_equals_gathering_every_score(seed, length
         assert torch.allclose(a, b, rtol=0, atol=TOL)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 2), queries=st.integers(1, 9),
+       entries=st.integers(0, 40), chunk=st.integers(1, 16),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_selection_scores_in_chunks_are_the_scores(seed, batch, queries, entries, chunk, dtype):
+    """The selection scores entries a chunk at a time without autograd (`IndexerQuery.scores`
+    under no_grad): every score is the one the autograd path computes in one piece, to the last
+    bits (a narrow chunk may be served by another matmul kernel, as a block of another width
+    always could: `round_scores` makes such near-ties exact ties). Tolerance: 4 ulp-scale
+    relative (1e-6 in float32, 1e-14 in float64)."""
+    from unittest import mock
+
+    from ced.model import IndexerQuery
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    indexer = IndexerQuery(tiny_config("ced", topk=2)).to(dtype)
+    x = torch.randn(batch, queries, indexer.q.in_features, generator=g, dtype=dtype)
+    keys = torch.randn(batch, entries, indexer.dim, generator=g, dtype=dtype)
+    whole = indexer.scores(x, keys)                  # parameters require grad: one piece
+    assert whole.requires_grad or entries == 0
+    with torch.no_grad(), mock.patch("ced.model.SCORE_CHUNK", chunk):
+        chunked = indexer.scores(x, keys)
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    torch.testing.assert_close(chunked, whole.detach(), rtol=tol, atol=tol)
+
+
 def test_global_read_choice_follows_cost():
     """auto: masked while the visible entries are few relative to the slots, gathered for a
     single query (decode) or long caches; explicit modes are obeyed."""
