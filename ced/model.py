@@ -120,36 +120,32 @@ class IndexerQuery(nn.Module):
         self.q = nn.Linear(cfg.d_model, self.heads * self.dim, bias=False)
         self.w = nn.Linear(cfg.d_model, self.heads, bias=False)
 
-    def _score(self, x: Tensor, dot) -> Tensor:
-        """sum_h w_h(x) * relu(q_h(x) . k / sqrt(Di)) over keys that `dot(q)` takes the dot
-        products q [B, C, heads, Di] . k with ([B, C, heads, N]) -> [B, C, N]."""
+    def _query(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, C, D] -> the query vectors q [B, C, heads, Di] and head weights w [B, C, heads]."""
         b, c, _ = x.shape
-        q = self.q(x).view(b, c, self.heads, self.dim)
-        w = self.w(x) * (self.heads ** -0.5)
-        dots = torch.relu(dot(q) * (self.dim ** -0.5))
-        return torch.einsum("bch,bchn->bcn", w, dots)
+        return (self.q(x).view(b, c, self.heads, self.dim),
+                self.w(x) * (self.heads ** -0.5))
+
+    def _weighted(self, w: Tensor, dots: Tensor) -> Tensor:
+        """sum_h w_h * relu(dot_h / sqrt(Di)): w [B, C, heads], dots q . k [B, C, heads, N]
+        -> [B, C, N]."""
+        return torch.einsum("bch,bchn->bcn", w, torch.relu(dots * (self.dim ** -0.5)))
 
     def scores(self, x: Tensor, keys: Tensor) -> Tensor:
         """x [B, C, D] (detached by the caller), keys [B, E, Di] -> scores [B, C, E].
 
-        Without autograd (the selection's scores) the entries are scored SCORE_CHUNK at a time,
-        the relu and scale in place: the all-pairs intermediate [B, C, heads, E] then never
-        leaves the cache, where written whole it made the scoring memory-bound at long T. Each
-        score is the same operations on the same numbers either way (its dot over Di, then the
-        sum over heads); a narrow last chunk may be served by another matmul kernel and differ
-        in the last bits, as a block of another width always could, which `round_scores` makes
-        an exact tie (tests/unit/test_semantics.py)."""
-        if torch.is_grad_enabled() and (x.requires_grad or keys.requires_grad
-                                        or any(p.requires_grad for p in self.parameters())):
-            return self._score(x, lambda q: torch.einsum("bchd,bed->bche", q, keys))
-        b, c, _ = x.shape
-        q = self.q(x).view(b, c, self.heads, self.dim)
-        w = self.w(x) * (self.heads ** -0.5)
-        out = x.new_empty(b, c, keys.shape[1])
-        for e0 in range(0, keys.shape[1], SCORE_CHUNK):
-            dots = torch.einsum("bchd,bed->bche", q, keys[:, e0:e0 + SCORE_CHUNK])
-            dots.mul_(self.dim ** -0.5).clamp_(min=0)
-            out[:, :, e0:e0 + SCORE_CHUNK] = torch.einsum("bch,bchn->bcn", w, dots)
+        The entries are scored SCORE_CHUNK at a time: the all-pairs intermediate
+        [B, C, heads, chunk] then stays in cache, where written whole it made the scoring
+        memory-bound at long T. Each score is the same operations on the same numbers (its dot
+        over Di, then the sum over heads); a narrow last chunk may be served by another matmul
+        kernel and differ in the last bits, as a block of another width always could, which
+        `round_scores` makes an exact tie (tests/unit/test_semantics.py)."""
+        q, w = self._query(x)
+        out = x.new_empty(*x.shape[:2], keys.shape[1])
+        for e0 in range(0, max(keys.shape[1], 1), SCORE_CHUNK):   # no entries: one empty chunk
+            chunk = keys[:, e0:e0 + SCORE_CHUNK]
+            out[:, :, e0:e0 + SCORE_CHUNK] = self._weighted(
+                w, torch.einsum("bchd,bed->bche", q, chunk))
         return out
 
     def picked_scores(self, x: Tensor, keys: Tensor, index: Tensor) -> Tensor:
@@ -159,7 +155,8 @@ class IndexerQuery(nn.Module):
         other entries: scoring all of them with autograd kept a [B, C, heads, E] tensor per
         block for a backward that is zero outside the picks (quadratic memory in T)."""
         picked = _gather_entries(keys[:, None], index)[:, 0]              # [B, C, k, Di]
-        return self._score(x, lambda q: torch.einsum("bchd,bckd->bchk", q, picked))
+        q, w = self._query(x)
+        return self._weighted(w, torch.einsum("bchd,bckd->bchk", q, picked))
 
 
 class Attention(nn.Module):

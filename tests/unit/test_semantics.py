@@ -257,11 +257,11 @@ def test_indexer_kl_from_picked_scores_equals_gathering_every_score(seed, length
        entries=st.integers(0, 40), chunk=st.integers(1, 16),
        dtype=st.sampled_from([torch.float32, torch.float64]))
 def test_selection_scores_in_chunks_are_the_scores(seed, batch, queries, entries, chunk, dtype):
-    """The selection scores entries a chunk at a time without autograd (`IndexerQuery.scores`
-    under no_grad): every score is the one the autograd path computes in one piece, to the last
-    bits (a narrow chunk may be served by another matmul kernel, as a block of another width
-    always could: `round_scores` makes such near-ties exact ties). Tolerance: 4 ulp-scale
-    relative (1e-6 in float32, 1e-14 in float64)."""
+    """The indexer scores entries a chunk at a time (`IndexerQuery.scores`): every score is the
+    one computed in one piece, to the last bits (a narrow chunk may be served by another matmul
+    kernel, as a block of another width always could: `round_scores` makes such near-ties exact
+    ties), and so is the gradient through them (the dense warm-up trains on these scores).
+    Tolerance: 1e-6 relative in float32, 1e-14 in float64."""
     from unittest import mock
 
     from ced.model import IndexerQuery
@@ -270,12 +270,19 @@ def test_selection_scores_in_chunks_are_the_scores(seed, batch, queries, entries
     indexer = IndexerQuery(tiny_config("ced", topk=2)).to(dtype)
     x = torch.randn(batch, queries, indexer.q.in_features, generator=g, dtype=dtype)
     keys = torch.randn(batch, entries, indexer.dim, generator=g, dtype=dtype)
-    whole = indexer.scores(x, keys)                  # parameters require grad: one piece
-    assert whole.requires_grad or entries == 0
-    with torch.no_grad(), mock.patch("ced.model.SCORE_CHUNK", chunk):
-        chunked = indexer.scores(x, keys)
+    weights = torch.randn(batch, queries, entries, generator=g, dtype=dtype)
+    results = []
+    for size in (max(entries, 1), chunk):
+        indexer.zero_grad()
+        with mock.patch("ced.model.SCORE_CHUNK", size):
+            scores = indexer.scores(x, keys)
+        (scores * weights).sum().backward()
+        results.append((scores.detach(), [p.grad.clone() for p in indexer.parameters()]))
     tol = 1e-6 if dtype == torch.float32 else 1e-14
-    torch.testing.assert_close(chunked, whole.detach(), rtol=tol, atol=tol)
+    (whole, whole_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, whole, rtol=tol, atol=tol)
+    for got, want in zip(chunked_grads, whole_grads):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_global_read_choice_follows_cost():
