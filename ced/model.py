@@ -105,7 +105,7 @@ class GlobalKVSource(nn.Module):
             state.pending_gates = gates[:, n_new * m:]
 
 
-# Entries the selection scores at a time (IndexerQuery.scores): the [B, C, heads, chunk]
+# Entries the indexer scores at a time (IndexerQuery.scores): the [B, C, heads, chunk]
 # intermediate of a 128-query block then stays in cache (timings: benchmarks/README.md).
 SCORE_CHUNK = 1024
 
