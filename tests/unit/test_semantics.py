@@ -261,7 +261,9 @@ def test_selection_scores_in_chunks_are_the_scores(seed, batch, queries, entries
     one computed in one piece, to the last bits (a narrow chunk may be served by another matmul
     kernel, as a block of another width always could: `round_scores` makes such near-ties exact
     ties), and so is the gradient through them (the dense warm-up trains on these scores).
-    Tolerance: 1e-6 relative in float32, 1e-14 in float64."""
+    Tolerance on the scores: 1e-6 relative in float32, 1e-14 in float64; on the gradients, sums
+    over every score in another order: 1e-4 relative (1e-5 absolute) in float32, 1e-12 in
+    float64."""
     from unittest import mock
 
     from ced.model import IndexerQuery
@@ -281,8 +283,9 @@ def test_selection_scores_in_chunks_are_the_scores(seed, batch, queries, entries
     tol = 1e-6 if dtype == torch.float32 else 1e-14
     (whole, whole_grads), (chunked, chunked_grads) = results
     torch.testing.assert_close(chunked, whole, rtol=tol, atol=tol)
+    grad_rtol, grad_atol = (1e-4, 1e-5) if dtype == torch.float32 else (1e-12, 1e-12)
     for got, want in zip(chunked_grads, whole_grads):
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        torch.testing.assert_close(got, want, rtol=grad_rtol, atol=grad_atol)
 
 
 def test_global_read_choice_follows_cost():
