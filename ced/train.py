@@ -167,6 +167,15 @@ def existing_run(run_dir: Path) -> list[str]:
     return found
 
 
+def check_resumable(run_dir: Path) -> None:
+    """train.resume=auto continues the run in `run_dir`; a directory that holds none (a typo, a
+    run that never started) is a ConfigError, since starting a new run there from the default
+    config would pass for a resumed one."""
+    if not existing_run(run_dir):
+        raise ConfigError(f"train.resume=auto: nothing to resume in {run_dir} (no "
+                          f"{', '.join(RUN_FILES)}); drop train.resume to start a new run there")
+
+
 def _refuse_existing(run_dir: Path, found: list[str]) -> ConfigError:
     return ConfigError(f"{run_dir} already holds a run ({', '.join(found)}); continue it with "
                        f"train.resume=auto, choose a new hydra.run.dir, or replace it with "
@@ -179,7 +188,8 @@ def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
     resume=never: the directory must not hold a run, unless train.overwrite=true.
     resume=auto: the newest checkpoint that is intact (readable, finite, with this model's
     shapes) and its step; damaged newer ones are skipped with a warning. A checkpoint with other
-    shapes is an error (an older one of the same run would have them too).
+    shapes is an error (an older one of the same run would have them too), and so is a
+    directory that holds no run (`check_resumable`).
     resume=<path>: that checkpoint, which must be intact; into a directory holding another
     run only with train.overwrite=true."""
     found = existing_run(run_dir)
@@ -188,6 +198,7 @@ def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
             raise _refuse_existing(run_dir, found)
         return RunPlan(None, 0, discard=bool(found))
     if t.resume == "auto":
+        check_resumable(run_dir)
         warnings, newest_problem = [], None
         candidates = checkpoint_dirs(run_dir)[::-1]
         for candidate in candidates:
@@ -209,7 +220,8 @@ def plan_run(t, run_dir: Path, model: CEDModel) -> RunPlan:
             raise CheckpointError(f"train.resume=auto: none of the {len(candidates)} "
                                   f"checkpoints in {run_dir / CHECKPOINTS} is intact; the "
                                   f"newest: {newest_problem}")
-        return RunPlan(None, 0, False)   # nothing saved yet: start over in this directory
+        # stopped before its first checkpoint: the same run starts over in its directory
+        return RunPlan(None, 0, False)
     path = Path(t.resume)
     if not (path / TRAINER_STATE).exists():
         raise ConfigError(f"train.resume: {t.resume!r} is not a checkpoint directory (no "

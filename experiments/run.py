@@ -611,8 +611,11 @@ class Study:
         """Train one run with `ced.train` (resumes from its last checkpoint) and record it."""
         key, run_dir = f"train/{label}", self.run_dir(label)
         job = next(j for j in self.spec.jobs if j.name == job_name)
+        from ced.train import existing_run
+        # resume=auto only continues a run: a directory that holds none starts a new one
+        resume = ["train.resume=auto"] if existing_run(run_dir) else []
         overrides = [*self.launch_overrides(job_name, seed),
-                     f"train.threads={self.threads}", "train.resume=auto",
+                     f"train.threads={self.threads}", *resume,
                      f"logging.project={self.project}", f"logging.group={self.group}",
                      f"logging.name={self.spec.name}-{job_name}-seed{seed}",
                      f"hydra.run.dir={run_dir}"]

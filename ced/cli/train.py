@@ -23,7 +23,7 @@ from ced.checkpoint import CheckpointError, StorageFull
 from ced.runlock import DirectoryLocked
 from ced.data import build_source
 from ced.train import (CONFIG_YAML, FINAL, NOT_FINISHED, Stopped, TrainingDiverged, _flat,
-                       _override_key, _resume_hint, train)
+                       _override_key, _resume_hint, check_resumable, train)
 from ced.train_config import ConfigError, TrainConfig, validate
 
 from . import fail as _fail
@@ -280,6 +280,22 @@ def name_sweep_by_what_varies(args: list[str]) -> list[str]:
                    "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"]
 
 
+def check_resume_target(args: list[str]) -> None:
+    """train.resume=auto on a single run: the directory must hold a run (`check_resumable`),
+    checked before Hydra creates the directory, so that a mistyped path leaves nothing behind.
+    A multirun's jobs are checked one by one when they start."""
+    if any(a in ("-m", "--multirun") for a in args):
+        return
+    values = {_override_key(a): a.split("=", 1)[1] for a in args if "=" in a}
+    if values.get("train.resume", "").strip() != "auto":
+        return
+    if "hydra.run.dir" not in values:
+        raise ConfigError("train.resume=auto: nothing to resume without hydra.run.dir=<run> "
+                          "(a run without it goes to a new dated directory); name the run "
+                          "directory, or drop train.resume to start a new run")
+    check_resumable(Path(values["hydra.run.dir"]))
+
+
 def set_offline_defaults() -> None:
     """Offline Hugging Face libraries unless the environment already chose: without it, a hub
     dataset name on a machine with no network retries for half a minute before its error.
@@ -297,6 +313,7 @@ def main() -> None:
         args = expand_experiment(sys.argv[1:])
         check_overrides(args)
         _check_launcher(args)
+        check_resume_target(args)
         args = name_sweep_by_what_varies(free_form_overrides(args))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

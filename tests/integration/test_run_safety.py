@@ -166,6 +166,30 @@ def test_rewinding_to_an_older_checkpoint_of_the_run_needs_overwrite(base_run, t
     assert [m["step"] for m in metrics(run)] == [1, 2, 3]
 
 
+def test_resume_auto_on_a_directory_without_a_run_starts_nothing(tmp_path):
+    """A mistyped or never-started run directory is one line and exit 2, and nothing is
+    written there: resume=auto never trains a new model from the default config."""
+    missing = tmp_path / "typo"
+    done = run_train(missing, *STEPS4, "train.resume=auto", check=False)
+    assert done.returncode == 2, done.stderr
+    assert one_line(done.stderr) == (
+        f"config error: train.resume=auto: nothing to resume in {missing} (no config.yaml, "
+        f"metrics.jsonl, checkpoints, final); drop train.resume to start a new run there")
+    assert not missing.exists()
+    # an existing directory without a run (only Hydra's own files): refused in-process too
+    empty = tmp_path / "empty"
+    (empty / ".hydra").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"^train.resume=auto: nothing to resume in "):
+        train_in_process(empty, *STEPS4, "train.resume=auto")
+    assert [p.name for p in empty.iterdir()] == [".hydra"]
+    # without hydra.run.dir a run goes to a new dated directory: nothing there to resume
+    done = subprocess.run([sys.executable, "-m", "ced.train", *TINY, "train.resume=auto"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert one_line(done.stderr).startswith(
+        "config error: train.resume=auto: nothing to resume without hydra.run.dir=<run>")
+
+
 def test_overwrite_cannot_be_combined_with_resume_auto():
     with pytest.raises(ConfigError, match=r"^train.overwrite: true discards the checkpoints"):
         config("train.overwrite=true", "train.resume=auto")
