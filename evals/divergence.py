@@ -80,6 +80,7 @@ class DivergenceConfig:
     dtype: str = "float64"           # float64 makes exact modes exactly comparable
     batch_size: int = 16
     seed: int = 0
+    threads: Optional[int] = None    # torch intra-op threads (null: torch's default)
     out_dir: Optional[str] = None    # default: the Hydra run directory
     prompts: PromptConfig = field(default_factory=PromptConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -224,6 +225,10 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
     if c.dtype not in ("float64", "float32"):
         raise ValueError(f"dtype: must be 'float64' or 'float32'; got {c.dtype!r}")
     dtype = {"float64": torch.float64, "float32": torch.float32}[c.dtype]
+    if c.threads is not None:
+        if c.threads < 1:
+            raise ValueError(f"threads: must be null or an int >= 1; got {c.threads}")
+        torch.set_num_threads(c.threads)
     for checkpoint in c.checkpoints:   # every one, before hours go into the first
         modes_for(load_model(checkpoint).cfg, c)     # a bad replay form fails here too
     rows: list[dict] = []
@@ -378,6 +383,13 @@ def main() -> None:
     # in prompts.data then fails at once instead of after half a minute of retries.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from ced.cli import check_override_keys
+    from ced.train_config import ConfigError
+    try:     # Hydra's own message for a bad override spans several lines and exits 1
+        check_override_keys(sys.argv[1:], DivergenceConfig())
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(2)
     import hydra
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="divergence")(_hydra_task)()
 

@@ -26,6 +26,7 @@ from ced.train import (CONFIG_YAML, FINAL, NOT_FINISHED, Stopped, TrainingDiverg
                        _override_key, _resume_hint, check_resumable, train)
 from ced.train_config import ConfigError, TrainConfig, validate
 
+from . import check_override_keys
 from . import fail as _fail
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -130,28 +131,10 @@ GROUPS = ("model", "data", "optim", "train", "logging", "debug")
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """Reject `a.b=v` overrides of keys the schema lacks before Hydra composes (whose own
-    message spans several lines). Keys under a free-form dict (e.g. data.tasks) pass."""
-    from dataclasses import fields, is_dataclass
-    for item in overrides:
-        if "=" not in item or item[0] in "+~-" or item.startswith("hydra"):
-            continue
-        key = item.split("=", 1)[0]
-        parts = key.split(".")
-        if len(parts) == 1:
-            if key not in GROUPS:
-                raise ConfigError(f"{key}: unknown config group; allowed: "
-                                  f"{list(GROUPS) + ['experiment']}")
-            continue
-        node = TrainConfig()
-        for depth, part in enumerate(parts):
-            if not is_dataclass(node):
-                break
-            names = {f.name for f in fields(node)}
-            if part not in names:
-                where = ".".join(parts[:depth]) or "the config"
-                raise ConfigError(f"{key}: unknown key; allowed keys of {where}: {sorted(names)}")
-            node = getattr(node, part)
+    """Reject overrides Hydra cannot parse and `a.b=v` overrides of keys the schema lacks,
+    before Hydra composes (`ced.cli.check_override_keys`). Keys under a free-form dict (e.g.
+    data.tasks) pass."""
+    check_override_keys(overrides, TrainConfig(), groups=GROUPS, also=("experiment",))
 
 
 FREE_FORM = ("data.tasks.",)
