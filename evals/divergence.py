@@ -36,6 +36,8 @@ from ced import InferenceEngine, exact_replay_length
 from ced.checkpoint import CheckpointError, load_model
 from ced.config import default_hidden_tail, replay_length
 from ced.data import build_source
+from ced.records import write_json
+from ced.writable import OutputDirError, check_hydra_output, check_output_dir
 
 from .modes import Mode, mode_generate, mode_logits, parse_mode
 
@@ -311,7 +313,7 @@ def write_outputs(c: DivergenceConfig, rows: list[dict], out_dir: Path) -> None:
     table.to_csv(out_dir / "divergence.csv", index=False)
     table.astype({"N": "int64"}).to_parquet(out_dir / "divergence.parquet", index=False)
     summary = summarise(rows, c.bootstrap, c.seed)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_json(out_dir / "summary.json", summary)   # the driver's "done" mark: never torn
     plots = plot(table, summary, out_dir)
     if c.wandb.enabled:
         import wandb
@@ -371,6 +373,7 @@ def _hydra_task(cfg) -> None:
         fail(f"config error: {key + ': ' if key else ''}{str(exc).splitlines()[0]}", 2)
     out_dir = Path(config.out_dir or HydraConfig.get().runtime.output_dir)
     try:
+        check_output_dir(out_dir, "out_dir")
         run(config, out_dir)
     except CheckpointError as exc:
         fail(f"error: {exc}", 2)
@@ -391,6 +394,14 @@ def main() -> None:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
     import hydra
+    try:      # before Hydra creates its run directory and opens its log file there
+        check_hydra_output(sys.argv[1:], Path(CONF_DIR) / "divergence.yaml")
+        for item in sys.argv[1:]:
+            if item.split("=", 1)[0].lstrip("+") == "out_dir" and "=" in item:
+                check_output_dir(item.split("=", 1)[1], "out_dir")
+    except OutputDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="divergence")(_hydra_task)()
 
 

@@ -84,6 +84,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ced.records import DamagedRecord, read_json, write_json
+from ced.writable import OutputDirError, check_output_dir
 from evals import per_model, plots
 from evals.suites.stats import (binomial_two_sided, crossed_bootstrap, hierarchical_bootstrap,
                                 holm, percentile_interval, seed_t_test, wilson_interval)
@@ -491,7 +493,12 @@ def geometry(study: Path) -> dict[str, dict]:
     """Per job: W and R_exact of its model (from a suite run's summary.json settings)."""
     out = {}
     for path in sorted((study / "suite").glob("*/seed*/summary.json")):
-        record = json.loads(path.read_text())
+        try:
+            record = read_json(path)
+        except DamagedRecord as exc:
+            print(f"[findings] warning: {exc}; its W and R_exact are read from another run "
+                  "of the job, if any", file=sys.stderr)
+            continue
         settings = record.get("run", {}).get("settings") or record.get("settings", {})
         match = _LABEL.match(f"{path.parent.parent.name}/{path.parent.name}")
         if match is not None:
@@ -550,10 +557,15 @@ def provenance(study: Path) -> dict:
     every invocation (command, git commit, whether the tree was dirty, wall time) and the
     seconds spent per kind of step (train / divergence / suite), summed over the steps that
     ran (a skipped or reused step keeps the seconds of the invocation that ran it)."""
-    path = study / "summary.json"
-    if not path.exists():
+    try:
+        record = read_json(study / "summary.json")
+    except DamagedRecord as exc:
+        print(f"[findings] warning: {exc}; the provenance (commands, commits, step times) is "
+              "unknown; rerun the study driver on the study to set it aside and rebuild it",
+              file=sys.stderr)
+        return {"damaged": str(exc)}
+    if record is None:
         return {}
-    record = json.loads(path.read_text())
     seconds: dict[str, float] = {}
     for key, step in record.get("steps", {}).items():
         if "seconds" in step:
@@ -568,6 +580,9 @@ def provenance(study: Path) -> dict:
 def _provenance_markdown(info: dict) -> list[str]:
     if not info:
         return ["(no summary.json in the study directory: command and commit unknown)", ""]
+    if "damaged" in info:
+        return [f"(summary.json is damaged, so command and commit are unknown: "
+                f"{info['damaged']})", ""]
     lines = [f"Study `{info['study']}`, scale `{info['scale']}`, seeds {info['seeds']}. "
              f"Step time: {info['total_step_seconds'] / 60:.1f} min on this machine "
              f"({', '.join(f'{k} {v / 60:.1f} min' for k, v in info['step_seconds'].items())}).",
@@ -649,7 +664,7 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     written.update(_write_figures(tables, marks, out))
     info = provenance(study)
     written["provenance"] = out / "provenance.json"
-    written["provenance"].write_text(json.dumps(info, indent=1) + "\n")
+    write_json(written["provenance"], info)
     written["findings"] = out / "findings.md"
     written["findings"].write_text(_findings_markdown(study, info, marks, tables, alpha))
     return written
@@ -796,9 +811,18 @@ def main(argv: list[str] | None = None) -> int:
                         "whose study directory is gone (writes <dir>/seed_level.csv)")
     args = p.parse_args(argv)
     if args.seed_t is not None:
-        return list_written("findings", lambda: write_seed_t(args.seed_t))
-    if not args.study or not args.out:
+        target = ("--seed-t", args.seed_t)
+    elif not args.study or not args.out:
         p.error("--study and --out are required (or --seed-t FINDINGS_DIR)")
+    else:
+        target = ("--out", args.out)
+    try:
+        check_output_dir(target[1], target[0])
+    except OutputDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.seed_t is not None:
+        return list_written("findings", lambda: write_seed_t(args.seed_t))
     study = Path(args.study)
     if not (study / "suite").is_dir() and (study / "real_text").is_dir():
         from evals.real_text import publish

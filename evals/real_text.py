@@ -66,6 +66,8 @@ from ced import exact_replay_length
 from ced.checkpoint import CheckpointError, load_model
 from ced.config import parse_replay_form, replay_length
 from ced.data.tokenizer import ByteTokenizer
+from ced.records import write_json
+from ced.writable import check_output_dir
 
 from .cli import option
 from .code_tokens import Annotation, annotate, classify, group_of
@@ -696,7 +698,7 @@ def publish(study: Path, out: Path) -> dict[str, Path]:
         written["training_curves"] = plots.save(figure, out / "training_curves.png")
     info = provenance(Path(study))
     written["provenance"] = out / "provenance.json"
-    written["provenance"].write_text(json.dumps(info, indent=1) + "\n")
+    write_json(written["provenance"], info)
     written["findings"] = out / "findings.md"
     written["findings"].write_text(_published_markdown(Path(study), out, info, training))
     return written
@@ -759,7 +761,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(RealTextConfig, prog="python -m evals.real_text",
                           description=__doc__.split("\n\n")[0])
     config = config_from_args(RealTextConfig, parser.parse_args(argv))
-    return list_written("real_text", lambda: run(config),
+
+    def checked_run() -> dict:
+        check_output_dir(config.out, "--out")      # before any checkpoint is read
+        return run(config)
+
+    return list_written("real_text", checked_run,
                         errors=(ValueError, CheckpointError, FileNotFoundError))
 
 

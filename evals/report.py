@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ced.records import DamagedRecord, read_json
 from ced.tracking import checkpoint_label
 
 FULL = "full"
@@ -43,9 +44,19 @@ COMPETENT_ACCURACY = 0.8
 
 # ---- loaders --------------------------------------------------------------------------------
 
+def _record(path: Path, expect: type | tuple = dict):
+    """The JSON record at `path`; None when absent or damaged (said in one warning line: the
+    report shows what survives rather than failing on one torn file)."""
+    try:
+        return read_json(path, expect=expect)
+    except DamagedRecord as exc:
+        print(f"[report] warning: {exc}; left out of the report", file=sys.stderr, flush=True)
+        return None
+
+
 def load_status(study: Path) -> dict:
-    path = Path(study) / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The driver's summary.json ({} when absent or damaged)."""
+    return _record(Path(study) / "summary.json") or {}
 
 
 def _run_dirs(root: Path) -> list[tuple[str, Path]]:
@@ -79,7 +90,7 @@ def load_runs(study: Path) -> dict[str, dict]:
         config = None
         final = run_dir / "final" / "config.json"
         if final.exists():
-            config = json.loads(final.read_text())
+            config = _record(final)
         runs[label] = {"config": config, "metrics": pd.DataFrame(rows),
                        "run_dir": run_dir, "final": final.parent if config else None,
                        "loss_on": _loss_on(run_dir)}
@@ -109,10 +120,10 @@ def file_label(label: str) -> str:
 
 def load_divergence(study: Path) -> pd.DataFrame:
     """divergence/summary.json as a DataFrame with a `job` column (empty if absent)."""
-    path = Path(study) / "divergence" / "summary.json"
-    if not path.exists():
+    rows = _record(Path(study) / "divergence" / "summary.json", expect=(list, dict))
+    if rows is None:
         return pd.DataFrame()
-    table = pd.DataFrame(json.loads(path.read_text()))
+    table = pd.DataFrame(rows)
     if len(table):
         table["job"] = table["checkpoint"].map(checkpoint_label)
     return table
@@ -123,10 +134,9 @@ def load_suite(study: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     label -> run info of the suite's summary.json)."""
     summaries, drops, info = [], [], {}
     for label, out in _run_dirs(Path(study) / "suite"):
-        path = out / "summary.json"
-        if not path.exists():
+        data = _record(out / "summary.json")
+        if data is None:
             continue
-        data = json.loads(path.read_text())
         info[label] = data["run"]
         summary = pd.DataFrame(data["summary"])
         summary["label"] = label

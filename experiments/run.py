@@ -51,6 +51,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, List, Optional
 
+from ced.records import DamagedRecord, read_json, set_aside, write_json
+
 from .study import (REAL_TEXT_READING, STUDY_DIR, StudyConfig, StudyError, config_hash,
                     load_study, normalise_overrides)
 
@@ -294,25 +296,26 @@ def banner(text: str) -> None:
 # ---- the steps --------------------------------------------------------------------------------
 
 def _read_stamp(directory: Path) -> dict | None:
+    """The step record in `directory`, or None. A damaged one (torn, not JSON, no hash) is
+    named in one line and moved aside to `study_step.json.damaged-<UTC time>`: the step then
+    counts as unrecorded (a finished training run is refused, not retrained; an evaluation is
+    rerun)."""
     path = directory / STAMP
     try:
-        return json.loads(path.read_text()) if path.exists() else None
-    except ValueError:
+        stamp = read_json(path, set_aside_damaged=True)
+    except DamagedRecord as exc:
+        print(f"[study] warning: {exc}; the step counts as unrecorded", flush=True)
         return None
+    if stamp is not None and "hash" not in stamp:
+        print(f"[study] warning: {DamagedRecord(path, 'no hash in it', set_aside(path))}; the "
+              "step counts as unrecorded", flush=True)
+        return None
+    return stamp
 
 
 def _write_stamp(directory: Path, payload: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     write_json(directory / STAMP, payload)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    """`payload` as indented JSON, written atomically: a crash (or a full disk) mid-write leaves
-    the old file or the new one, never half of one. The study's stamps and summary.json are
-    its record of what ran; a torn one would be read as absent."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
 
 
 class Study:
@@ -899,6 +902,11 @@ def run_study(opts: DriverConfig) -> int:
     out = Path(opts.out or ROOT / "outputs" / "studies" / spec.name).resolve()
     if opts.only == "plan":
         return _run_study(opts, spec, out)
+    from ced.writable import OutputDirError, check_output_dir
+    try:
+        check_output_dir(out, "out")
+    except OutputDirError as exc:
+        raise StudyError(str(exc)) from None
     from ced.runlock import DirectoryLocked, directory_lock
     try:
         with directory_lock(out, "study"):
@@ -907,19 +915,68 @@ def run_study(opts: DriverConfig) -> int:
         raise StudyError(str(exc)) from None
 
 
+def earlier_record(out: Path) -> tuple[dict[str, dict], list[dict]]:
+    """(steps, invocations) of the study's summary.json, so that an invocation keeps the record
+    of the steps it does not redo. A damaged summary.json is named in one line and moved aside
+    (`summary.json.damaged-<UTC time>`, never overwritten); the steps are then rebuilt from
+    their `study_step.json` records (`rebuild_steps`) and the line says what was rebuilt and
+    what is lost (the earlier invocations, and failed or refused steps, which have no
+    record)."""
+    try:
+        record = read_json(out / "summary.json", set_aside_damaged=True)
+    except DamagedRecord as exc:
+        steps = rebuild_steps(out)
+        print(f"[study] warning: {exc}; rebuilt {len(steps)} finished step(s) from their "
+              f"{STAMP} records; lost: the earlier invocations (commands, commits, wall "
+              "times), step times, and which steps failed or were refused", flush=True)
+        return steps, []
+    if record is None:
+        return {}, []
+    return dict(record.get("steps") or {}), list(record.get("invocations") or [])
+
+
+def rebuild_steps(out: Path) -> dict[str, dict]:
+    """summary.json's step entries of every step whose `study_step.json` and outputs are there
+    (state ok, `rebuilt: true`, its hash and directory): training runs with final weights,
+    divergence, real text, lm-eval task and mode runs, suite runs."""
+    done_file = {"runs": "final/model.safetensors", "divergence": "summary.json",
+                 "suite": "summary.json", "real_text": "baselines.csv"}
+    steps: dict[str, dict] = {}
+    for stamp_path in sorted(out.rglob(STAMP)):
+        directory = stamp_path.parent
+        rel = directory.relative_to(out).as_posix()
+        top = rel.split("/", 1)[0]
+        if ".old-" in rel or top not in done_file:
+            continue
+        stamp = _read_stamp(directory)       # a damaged one is named and set aside
+        if stamp is None:
+            continue
+        if rel.startswith("real_text/lm_eval/"):
+            label = rel.removeprefix("real_text/lm_eval/")
+            if label.endswith("/tasks") and (directory / "ced_code.yaml").exists():
+                key = "lm_eval/" + label.removesuffix("/tasks")
+            elif (directory / "mode.txt").exists():
+                key = "lm_eval/" + label.rsplit("/", 1)[0] + "/" + (
+                    directory / "mode.txt").read_text().strip()
+            else:
+                continue
+        elif (directory / done_file[top]).exists():
+            key = "train/" + rel.removeprefix("runs/") if top == "runs" else rel
+        else:
+            continue
+        where = "run_dir" if top == "runs" else "out"
+        steps[key] = {"state": "ok", where: str(directory), "hash": stamp["hash"],
+                      "rebuilt": True, "invocation": -1}
+    return steps
+
+
 def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     threads = int(opts.threads or min(os.cpu_count() or 1, 8))
     study = Study(spec, out, threads, wandb=opts.wandb, group=opts.group,
                   project=opts.project, on_change=opts.on_change, reuse=opts.reuse,
                   jobs=opts.jobs)
-    old = out / "summary.json"
-    if old.exists():   # keep the record of steps this invocation does not redo
-        try:
-            record = json.loads(old.read_text())
-            study.status = record.get("steps", {})
-            study.invocations = list(record.get("invocations", []))
-        except ValueError:
-            pass
+    # keep the record of steps this invocation does not redo
+    study.status, study.invocations = earlier_record(out)
     per_job = {j.name: spec.seeds_of(j) for j in spec.jobs
                if study.jobs is None or j.name in study.jobs}
     seeds = (f"seeds {list(spec.seeds)}" if all(s == list(spec.seeds) for s in per_job.values())

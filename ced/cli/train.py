@@ -25,6 +25,7 @@ from ced.data import build_source
 from ced.train import (CONFIG_YAML, FINAL, NOT_FINISHED, Stopped, TrainingDiverged, _flat,
                        _override_key, _resume_hint, check_resumable, train)
 from ced.train_config import ConfigError, TrainConfig, validate
+from ced.writable import OutputDirError, check_hydra_output
 
 from . import check_override_keys
 from . import fail as _fail
@@ -301,6 +302,12 @@ def main() -> None:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:    # other ranks write to a throwaway dir
+        try:     # before Hydra creates the run directory and opens its log file there
+            check_hydra_output(args, Path(CONF_DIR) / "train.yaml")
+        except OutputDirError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
     sys.argv[1:] = args
     if int(os.environ.get("RANK", "0")) > 0:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none",

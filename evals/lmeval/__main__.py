@@ -42,6 +42,26 @@ def _index_included_tasks_only(argv: list[str]) -> None:
         lm_eval.tasks.TaskManager = IncludedOnly
 
 
+def _check_output_path(argv: list[str]) -> None:
+    """--output_path (a directory, or a .json file in one) checked before the model loads and
+    the tasks run: one line and exit 2 when it cannot be written, instead of lm-eval's
+    traceback at the end of the evaluation."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--output_path", "-o", default=None)
+    known, _ = parser.parse_known_args(argv)
+    if known.output_path is None:
+        return
+    from pathlib import Path
+
+    from ced.writable import OutputDirError, check_output_dir
+    path = Path(known.output_path)
+    try:
+        check_output_dir(path.parent if path.suffix == ".json" else path, "--output_path")
+    except OutputDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["write-tasks"]:           # python -m evals.lmeval write-tasks ...
         from evals.lmeval.tasks import main as write_tasks_main
@@ -62,6 +82,7 @@ def main() -> None:
               "python -m evals.lmeval --model ced --model_args checkpoint=DIR,replay=N "
               "--include_path DIR --tasks ced_suite\n"
               "    lm-eval's CLI with --model ced registered; its options:\n", flush=True)
+    _check_output_path(sys.argv[1:])
     import evals.lmeval  # noqa: F401  registers --model ced
     from lm_eval.__main__ import cli_evaluate
 
