@@ -86,7 +86,7 @@ import pandas as pd
 
 from ced.records import DamagedRecord, read_json, write_json
 from ced.writable import OutputDirError, check_output_dir
-from evals import per_model, plots
+from evals import per_model, plots, predictions
 from evals.suites.stats import (binomial_two_sided, crossed_bootstrap, hierarchical_bootstrap,
                                 holm, percentile_interval, seed_t_test, wilson_interval)
 
@@ -666,8 +666,29 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
     written["provenance"] = out / "provenance.json"
     write_json(written["provenance"], info)
     written["findings"] = out / "findings.md"
-    written["findings"].write_text(_findings_markdown(study, info, marks, tables, alpha))
+    text = _findings_markdown(study, info, marks, tables, alpha)
+    check = check_prediction(info, out)
+    if check is not None:
+        written["prediction_check"] = out / "prediction_check.json"
+        write_json(written["prediction_check"], check.to_dict())
+        text += f"\n## Registered prediction\n\n{check.line()}\n"
+        print(f"[findings] {check.line()}", file=sys.stderr)
+    written["findings"].write_text(text)
     return written
+
+
+def check_prediction(info: dict, out: Path):
+    """`evals.predictions.check` of `findings/predictions/<study>.md` against the study's
+    invocations (`info`: `provenance`), in the git repository that holds `out` (else this
+    checkout); None when the study has no registered prediction."""
+    study = info.get("study")
+    here = Path(__file__).resolve().parents[1]
+    repo = next((p for p in [out.resolve(), *out.resolve().parents] if (p / ".git").exists()),
+                here)
+    path = predictions.prediction_for(repo, study) if study else None
+    if path is None:
+        return None
+    return predictions.check(repo, path, info.get("invocations", []))
 
 
 def _write_figures(tables: dict, marks: dict, out: Path) -> dict[str, Path]:

@@ -370,13 +370,18 @@ def chance_running_state(p: dict) -> float:
 
 
 def _running(kind: str) -> Callable[[Any], list[Point]]:
-    """The sweep of one running_state kind: `|` at distance M + 2 around each N and at W + 2."""
+    """The sweep of one running_state kind: `|` at distance M + 2 around each N and at W + 2,
+    or at each of the settings' `span_starts` when set; one prompt length for every point."""
     def points(s: Any) -> list[Point]:
         # `|` lies at distance M + 2: M + 2 in {N-1, N, N+1} puts the start of the counted
-        # window just inside / at / just outside the replay.
-        targets = {s.window + 2}
-        for n in s.point_replays:
-            targets |= {n - 1, n, n + 1}
+        # window just inside / at / just outside the replay; a grid of span starts
+        # (`span_starts`, e.g. the uncensored one) replaces those points.
+        if getattr(s, "span_starts", None):
+            targets = set(s.span_starts)
+        else:
+            targets = {s.window + 2}
+            for n in s.point_replays:
+                targets |= {n - 1, n, n + 1}
         windows = sorted({d - 2 for d in targets if d - 2 >= 1})
         windows = [m for m in windows if m + 3 + SLACK <= s.length_cap]
         if not windows:

@@ -62,6 +62,9 @@ class SuiteSettings:
     # running_count/_parity/_bracket prompts of at least this many tokens (a longer random
     # prefix before `|`); None: as short as the windows allow (window + 3 + SLACK)
     state_length: int | None = None
+    # the running families' span starts (distance of `|`), replacing the points around each N:
+    # set from `span_grid` ("uncensored": `uncensored_span_starts`), with `extra_distances`
+    span_starts: tuple[int, ...] | None = None
 
     @property
     def point_replays(self) -> tuple[int, ...]:
@@ -71,7 +74,10 @@ class SuiteSettings:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, replays: Iterable[int], turns: Iterable[int] = (),
-                    **kw: Any) -> "SuiteSettings":
+                    span_grid: str | None = None, **kw: Any) -> "SuiteSettings":
+        """Settings for a model of config `cfg`; `span_grid` names a grid of span starts for
+        the running families (None: around each N; "uncensored": `uncensored_span_starts` of
+        the model's W and R_exact, plus `extra_distances`)."""
         replays = tuple(sorted({int(n) for n in replays}))
         if not replays or replays[0] < 1:
             raise ValueError(f"replays: need at least one N >= 1; got {replays}")
@@ -82,6 +88,14 @@ class SuiteSettings:
             if not sweep or sweep[0] < 1:
                 raise ValueError(f"sweep_replays: need at least one N >= 1; got {sweep}")
             kw["sweep_replays"] = sweep
+        if span_grid is not None:
+            if span_grid not in SPAN_GRIDS:
+                raise ValueError(f"span_grid: one of {', '.join(SPAN_GRIDS)}; got {span_grid!r}")
+            if r_exact is None:
+                raise ValueError(f"span_grid: {span_grid!r} is placed against R_exact, which "
+                                 f"variant {cfg.variant!r} (no decoder) does not have")
+            kw["span_starts"] = tuple(sorted(set(SPAN_GRIDS[span_grid](cfg.window, r_exact))
+                                             | {int(d) for d in kw.get("extra_distances", ())}))
         return cls(replays=replays, window=cfg.window, block=cfg.encoder_compress_ratio,
                    decoder_block=cfg.decoder_compress_ratio, r_exact=r_exact, topk=cfg.topk,
                    max_seq_len=cfg.max_seq_len, variant=cfg.variant, turns=turns, **kw)
@@ -108,6 +122,29 @@ class SuiteSettings:
         if self.r_exact is not None:
             out["R_exact"] = [self.r_exact]
         return out
+
+
+def uncensored_span_starts(window: int, r_exact: int) -> list[int]:
+    """Span starts (distances of the evidence before the answer) that reach past the decoder's
+    whole receptive field, so that no replay length below R_exact is judged only on evidence
+    inside it: W/2, W, W + 1 (the first start a replay of N = W cuts), 3W/2, 2W, then 3W, 4W,
+    6W, 8W, 12W, ... (each multiple twice the one two before) while below R_exact, then
+    R_exact and floor(3 R_exact / 2). Starts under 3 (no counted span fits) are dropped.
+    E.g. W = 8, R_exact = 15: [4, 8, 9, 12, 15, 22]."""
+    if window < 1 or r_exact < 1:
+        raise ValueError(f"uncensored_span_starts: window and r_exact must be >= 1; got "
+                         f"{window}, {r_exact}")
+    starts = {window // 2, window, window + 1, 3 * window // 2, 2 * window}
+    multiple, following = 3, 4
+    while multiple * window < r_exact:
+        starts.add(multiple * window)
+        multiple, following = following, 2 * multiple
+    starts = {d for d in starts if d < r_exact} | {r_exact, 3 * r_exact // 2}
+    return sorted(d for d in starts if d >= 3)
+
+
+# named span-start grids of the running families (`SuiteConfig.span_grid`)
+SPAN_GRIDS = {"uncensored": uncensored_span_starts}
 
 
 # ---- the families: each task's sweeps, read live from the task registry ---------------------
@@ -232,6 +269,6 @@ def describe(settings: SuiteSettings) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SuiteSettings", "Point", "Family", "FAMILIES", "build_documents", "write_jsonl",
+__all__ = ["SuiteSettings", "SPAN_GRIDS", "uncensored_span_starts", "Point", "Family", "FAMILIES", "build_documents", "write_jsonl",
            "read_jsonl", "prompt_ids", "target_ids", "family_points", "describe",
            "min_distance", "min_length"]

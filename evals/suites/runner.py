@@ -41,7 +41,8 @@ from ced.inference import POLICIES
 from evals.cli import option
 from evals.modes import Mode, mode_logits, parse_mode
 
-from .families import FAMILIES, SuiteSettings, build_documents, prompt_ids, target_ids, write_jsonl
+from .families import (FAMILIES, SPAN_GRIDS, SuiteSettings, build_documents, prompt_ids,
+                       target_ids, write_jsonl)
 from .stats import holm, mcnemar_exact, wilson_interval
 
 _TOK = ByteTokenizer()
@@ -334,6 +335,10 @@ class SuiteConfig:
     state_length: Optional[int] = option(None, metavar="T", help=(
         "running_count/_parity/_bracket prompts of at least T tokens (a longer random prefix "
         "before `|`; default: as short as the window allows)"))
+    span_grid: Optional[str] = option(None, choices=lambda: list(SPAN_GRIDS), help=(
+        "the running families' span starts on a named grid instead of around each --replay: "
+        "uncensored = W/2, W, W+1, 3W/2, 2W, 3W, 4W, 6W, ... below R_exact, R_exact, 1.5 "
+        "R_exact (evals.suites.families.uncensored_span_starts), plus --distances"))
     sweep_replays: Optional[List[str]] = option(None, metavar="N", help=(
         "place the distance and window sweeps' points around these replay lengths only "
         "(default: every --replay); every --replay is still evaluated on every document"))
@@ -390,7 +395,8 @@ def run_suite(config: SuiteConfig) -> dict:
                                          max_length=c.max_length,
                                          needle_distractors=c.needle_distractors,
                                          sweep_replays=sweep_replays,
-                                         state_length=c.state_length)
+                                         state_length=c.state_length,
+                                         span_grid=c.span_grid)
     docs = build_documents(settings, c.examples, c.families, seed_offset=c.seed_offset)
     write_jsonl(docs, out / "data")
     base, turn = suite_modes(cfg, settings.replays, settings.turns)

@@ -1,0 +1,321 @@
+"""How far back each model reads its evidence, and what replay keeps it: `python -m evals.reach`.
+
+    python -m evals.reach --study outputs/studies/ladder --out findings/ladder \
+        [--erf findings/ladder/archive/erf_shares.csv]
+
+Reads a finished study whose suite ran the running families on a grid of span starts that
+reaches past R_exact (`suite.options.span_grid: uncensored`, `evals.suites.families
+.uncensored_span_starts`) and, beside the seed-pooled tables of `evals.findings` (run first,
+into the same --out), writes the trained model as the unit, one distance bin at a time:
+
+  bins.csv     per model x family x span start d (a bin): examples, `full` accuracy, whether
+               the model is competent on the bin (full >= COMPETENT, per bin, not pooled),
+               the drop at N = W, N*(d) (the smallest N on the study's replay grid from which
+               on the drop on the bin is at most STAR_MAX_DROP: every larger N on the grid
+               keeps it too, so one lucky N below a failing one does not count) and the margin
+               N*(d) - d
+  models.csv   per model: N* (the largest N*(d) over its competent bins), the largest
+               competent d (the reach the model uses: beyond it the suite cannot say what a
+               replay costs), the grid's horizon (its largest d), the drop at N = W on its
+               competent bins split into evidence inside the replay (d <= W) and beyond it
+               (d > W), whether it fails beyond (an exact McNemar p < 0.05 and a drop over 1
+               point), `full` on the recall family (does its global path retrieve?) and, with
+               --erf, its share of decoder influence beyond W
+  cells.csv    per job: models, N* (median, min, max) and the largest competent d, the drop at
+               N = W inside and beyond with the example-level 95% CI (Agresti-Min over the
+               pooled pairs) and the model-level one (`evals.findings.model_level_columns`:
+               a bootstrap over models and their documents), the failures beyond W with an
+               exact Clopper-Pearson CI, recall and the influence share beyond W
+  margin.png   N*(d) - d against d, one line per model, coloured by job
+  drop_at_W.png   the drop at N = W inside and beyond per job, models as points, with the
+               model-level CI
+  reach.md     the tables in Markdown, with the provenance and the prediction check of
+               `evals.findings`
+
+A model's N* is censored by its own reach, not by the suite's: a bin where `full` is below
+COMPETENT says nothing of replay, and models.csv says how far the competent bins go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from evals import findings, plots
+from evals.per_model import COMPETENT, FAIL_MIN_DROP, STAR_MAX_DROP
+from evals.suites.stats import binomial_two_sided, clopper_pearson
+
+RUNNING = ("running_count", "running_bracket")
+RECALL = "recall"
+FULL = "full"
+
+
+def paired_outcomes(results: pd.DataFrame, marks: dict,
+                    families: tuple[str, ...] = RUNNING) -> pd.DataFrame:
+    """Per model x document x single-turn replay mode of `families`: job, seed, family, id, d
+    (the span start), N, full and mode (bool), diff (mode - full in {-1, 0, +1})."""
+    part = results[results["family"].isin(families)]
+    full = part[part["mode"] == FULL][["job", "train_seed", "family", "id", "x", "correct"]]
+    full = full.rename(columns={"correct": "full"})
+    rows = part[part["mode"] != FULL].copy()
+    rows["N"] = [findings.replay_of(m, marks.get(j, {}).get("R_exact"))
+                 for j, m in zip(rows["job"], rows["mode"])]
+    rows = rows[rows["N"].notna()]
+    rows = rows.merge(full, on=["job", "train_seed", "family", "id", "x"], how="inner")
+    out = pd.DataFrame({"job": rows["job"], "seed": rows["train_seed"].astype(int),
+                        "family": rows["family"], "id": rows["id"],
+                        "d": pd.to_numeric(rows["x"]).astype(int), "N": rows["N"].astype(int),
+                        "full": rows["full"].astype(bool), "mode": rows["correct"].astype(bool)})
+    out["diff"] = out["mode"].astype(int) - out["full"].astype(int)
+    return out.reset_index(drop=True)
+
+
+def n_star_of_bin(by_n: pd.Series, max_drop: float = STAR_MAX_DROP) -> float:
+    """N*(d) from one bin's drop at each N (a Series indexed by N): the smallest N from which
+    on every N of the grid loses at most `max_drop`; NaN if even the largest does not."""
+    star = math.nan
+    for n in sorted(by_n.index, reverse=True):
+        if by_n[n] < -max_drop:
+            break
+        star = n
+    return float(star)
+
+
+def bin_table(paired: pd.DataFrame, results: pd.DataFrame, marks: dict,
+              max_drop: float = STAR_MAX_DROP, competent: float = COMPETENT) -> pd.DataFrame:
+    """bins.csv (see module doc): one row per model x family x d."""
+    rows = []
+    for (job, seed, family, d), part in paired.groupby(["job", "seed", "family", "d"], sort=True):
+        w = marks.get(job, {}).get("W")
+        by_n = part.groupby("N")["diff"].mean()
+        first = part[part["N"] == part["N"].iloc[0]]
+        acc_full = float(first["full"].mean())
+        star = n_star_of_bin(by_n, max_drop)
+        at_w = part[part["N"] == w] if w is not None else part.iloc[:0]
+        rows.append({"job": job, "seed": int(seed), "family": family, "d": int(d),
+                     "W": w, "R_exact": marks.get(job, {}).get("R_exact"), "n": len(first),
+                     "acc_full": acc_full, "competent": acc_full >= competent,
+                     "beyond_W": w is not None and d > w,
+                     "drop_at_W": float(at_w["diff"].mean()) if len(at_w) else math.nan,
+                     "N_star_d": star, "margin": star - d,
+                     "grid": " ".join(str(int(n)) for n in sorted(by_n.index))})
+    return pd.DataFrame(rows)
+
+
+def _pairs(part: pd.DataFrame) -> dict:
+    """n, the paired difference and the discordant counts of `diff` rows."""
+    b, c = int((part["diff"] < 0).sum()), int((part["diff"] > 0).sum())
+    n = len(part)
+    return {"n": n, "b": b, "c": c, "drop": (c - b) / n if n else math.nan,
+            "p": binomial_two_sided(b, b + c)}
+
+
+def model_table(paired: pd.DataFrame, bins: pd.DataFrame, results: pd.DataFrame,
+                marks: dict, erf: pd.DataFrame | None = None) -> pd.DataFrame:
+    """models.csv (see module doc): one row per model."""
+    recall = results[(results["family"] == RECALL) & (results["mode"] == FULL)]
+    recall_acc = recall.groupby(["job", "train_seed"])["correct"].mean()
+    rows = []
+    for (job, seed), mine in bins.groupby(["job", "seed"], sort=True):
+        w = marks.get(job, {}).get("W")
+        good = mine[mine["competent"]]
+        ok_bins = set(zip(good["family"], good["d"]))
+        at_w = paired[(paired["job"] == job) & (paired["seed"] == seed) & (paired["N"] == w)]
+        keep = [(f, d) in ok_bins for f, d in zip(at_w["family"], at_w["d"])]
+        at_w = at_w[keep]
+        inside, beyond = _pairs(at_w[at_w["d"] <= w]), _pairs(at_w[at_w["d"] > w])
+        row = {"job": job, "seed": int(seed), "W": w, "R_exact": marks.get(job, {}).get("R_exact"),
+               "N_star": float(good["N_star_d"].max()) if len(good) else math.nan,
+               "largest_competent_d": int(good["d"].max()) if len(good) else math.nan,
+               "horizon": int(mine["d"].max()), "competent_bins": len(good),
+               "bins": len(mine)}
+        row["N_star_over_W"] = row["N_star"] / w if w else math.nan
+        for side, pairs in (("inside", inside), ("beyond", beyond)):
+            row.update({f"{k}_{side}": v for k, v in pairs.items()})
+        row["fails_beyond"] = bool(beyond["n"] and beyond["p"] < 0.05
+                                   and beyond["drop"] < -FAIL_MIN_DROP)
+        row["recall_full"] = float(recall_acc.get((job, seed), math.nan))
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if erf is not None and not erf.empty and not table.empty:
+        table = table.merge(erf[["job", "seed", "share_beyond_W"]], on=["job", "seed"],
+                            how="left")
+    return table
+
+
+def cell_table(paired: pd.DataFrame, models: pd.DataFrame, bins: pd.DataFrame,
+               marks: dict) -> pd.DataFrame:
+    """cells.csv (see module doc): one row per job."""
+    rows = []
+    for job, mine in models.groupby("job", sort=False):
+        w = marks.get(job, {}).get("W")
+        ok = bins[(bins["job"] == job) & bins["competent"]][["seed", "family", "d"]]
+        at_w = paired[(paired["job"] == job) & (paired["N"] == w)].merge(
+            ok, on=["seed", "family", "d"], how="inner")
+        stars = mine["N_star"].dropna()
+        row = {"job": job, "W": w, "R_exact": marks.get(job, {}).get("R_exact"),
+               "models": len(mine), "horizon": int(mine["horizon"].max()),
+               "N_star_median": float(stars.median()) if len(stars) else math.nan,
+               "N_star_min": float(stars.min()) if len(stars) else math.nan,
+               "N_star_max": float(stars.max()) if len(stars) else math.nan,
+               "largest_competent_d_median": float(mine["largest_competent_d"].median())}
+        for side, part in (("inside", at_w[at_w["d"] <= w]), ("beyond", at_w[at_w["d"] > w])):
+            pairs = _pairs(part)
+            _, low, high = findings.paired_difference(pairs["b"], pairs["c"], pairs["n"])
+            diffs = part.set_index(["seed", "id"])["diff"]
+            level = findings.model_level_columns(diffs) if len(diffs) else {
+                "seeds": 0, "seed_ci_low": math.nan, "seed_ci_high": math.nan}
+            row.update({f"drop_{side}": pairs["drop"], f"ci_low_{side}": low,
+                        f"ci_high_{side}": high, f"models_{side}": level["seeds"],
+                        f"seed_ci_low_{side}": level["seed_ci_low"],
+                        f"seed_ci_high_{side}": level["seed_ci_high"], f"n_{side}": pairs["n"]})
+        judged = mine[mine["n_beyond"] > 0]
+        k, n = int(judged["fails_beyond"].sum()), len(judged)
+        low, high = clopper_pearson(k, n)
+        row.update({"failed_beyond": k, "judged_beyond": n, "fail_rate_low": low,
+                    "fail_rate_high": high,
+                    "recall_full_mean": float(mine["recall_full"].mean())})
+        if "share_beyond_W" in mine:
+            row["share_beyond_W_mean"] = float(mine["share_beyond_W"].mean())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _palette() -> list[str]:
+    """The ten tab10 colours, one per job in order."""
+    return [f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink",
+                                 "gray", "olive", "cyan")]
+
+
+def margin_figure(bins: pd.DataFrame) -> Figure | None:
+    """N*(d) - d against d per model (competent bins), one colour per job."""
+    good = bins[bins["competent"]]
+    if good.empty:
+        return None
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
+    palette = _palette()
+    colours = {job: palette[i % len(palette)]
+               for i, job in enumerate(dict.fromkeys(good["job"]))}
+    for (job, seed, family), part in good.groupby(["job", "seed", "family"], sort=False):
+        style = "-" if family == RUNNING[0] else ":"
+        ax.plot(part["d"], part["margin"], style, marker="o", ms=3, alpha=0.7,
+                color=colours[job], label=f"{job}" if seed == good["seed"].min()
+                and family == RUNNING[0] else None)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("span start d (tokens before the answer)")
+    ax.set_ylabel("N*(d) - d")
+    ax.set_title("replay beyond the evidence that loses nothing (competent bins; "
+                 "solid count, dotted bracket)", fontsize=9)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def drop_figure(models: pd.DataFrame, cells: pd.DataFrame) -> Figure | None:
+    """The drop at N = W inside and beyond the replay per job: models as points, the
+    model-level CI as a bar."""
+    if cells.empty:
+        return None
+    fig = Figure(figsize=(max(5, 1.1 * len(cells) + 2), 4))
+    ax = fig.subplots()
+    jobs = list(cells["job"])
+    for offset, side, colour in ((-0.15, "inside", "tab:blue"), (0.15, "beyond", "tab:red")):
+        for i, job in enumerate(jobs):
+            cell = cells[cells["job"] == job].iloc[0]
+            mine = models[models["job"] == job]
+            ax.scatter(np.full(len(mine), i + offset), mine[f"drop_{side}"], s=12, color=colour,
+                       alpha=0.6, label=f"d {'<=' if side == 'inside' else '>'} W"
+                       if i == 0 else None)
+            low, high = cell[f"seed_ci_low_{side}"], cell[f"seed_ci_high_{side}"]
+            if not (math.isnan(low) or math.isnan(high)):
+                ax.plot([i + offset] * 2, [low, high], color=colour, lw=2)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(jobs)), jobs, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("drop at N = W (replay - full)")
+    ax.set_title("N = W on competent bins: evidence inside / beyond the replay", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def read_erf(path: Path | None) -> pd.DataFrame | None:
+    """Per model: the share of decoder influence at distance >= W, from an `evals.erf` output
+    directory or an archived erf_shares.csv (`evals.depth.erf_shares`)."""
+    if path is None:
+        return None
+    from evals.depth import erf_shares
+    table = pd.read_csv(path) if path.is_file() else erf_shares(path)
+    if "share_beyond_W" not in table:
+        raise ValueError(f"--erf {path}: no share_beyond_W column (an evals.erf output "
+                         f"directory, or the erf_shares.csv of evals.archive --erf)")
+    return table[["job", "seed", "share_beyond_W"]]
+
+
+def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) -> dict:
+    """Every table and figure of the module doc into `out`; returns {name: path}."""
+    written = findings.write_findings(study, out, alpha)
+    results = findings.load_results(study)
+    marks = findings.geometry(study)
+    paired = paired_outcomes(results, marks)
+    if paired.empty:
+        raise ValueError(f"{study}: no running_count / running_bracket results with a replay "
+                         "mode (run the study's suite with those families)")
+    bins = bin_table(paired, results, marks)
+    models = model_table(paired, bins, results, marks, read_erf(erf))
+    cells = cell_table(paired, models, bins, marks)
+    for name, table in (("bins", bins), ("models", models), ("cells", cells)):
+        written[name] = out / f"{name}.csv"
+        table.to_csv(written[name], index=False, float_format="%.6g")
+    for name, figure in (("margin", margin_figure(bins)), ("drop_at_W", drop_figure(models, cells))):
+        if figure is not None:
+            written[name] = plots.save(figure, out / f"{name}.png", dpi=110)
+    written["reach"] = out / "reach.md"
+    written["reach"].write_text(_markdown(cells, models, findings.provenance(study)))
+    return written
+
+
+def _markdown(cells: pd.DataFrame, models: pd.DataFrame, info: dict) -> str:
+    lines = ["# Reach: where each model reads its evidence, and what replay keeps it", "",
+             "Drops at N = W on competent bins (full >= 0.9 per bin), inside (d <= W) and "
+             "beyond (d > W) the replay; example CI Agresti-Min, model CI the bootstrap over "
+             "models and documents. N* is censored at each model's largest competent d.", "",
+             findings._markdown(cells, [c for c in (
+                 "job", "W", "R_exact", "models", "horizon", "largest_competent_d_median",
+                 "N_star_median", "N_star_min", "N_star_max", "drop_inside", "seed_ci_low_inside",
+                 "seed_ci_high_inside", "drop_beyond", "ci_low_beyond", "ci_high_beyond",
+                 "seed_ci_low_beyond", "seed_ci_high_beyond", "failed_beyond", "judged_beyond",
+                 "recall_full_mean", "share_beyond_W_mean") if c in cells]), "",
+             "## Per model", "",
+             findings._markdown(models, [c for c in (
+                 "job", "seed", "N_star", "largest_competent_d", "horizon", "competent_bins",
+                 "drop_inside", "drop_beyond", "fails_beyond", "recall_full", "share_beyond_W")
+                 if c in models]), "", "## Provenance", ""]
+    return "\n".join(lines + findings._provenance_markdown(info))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.reach", description=(
+        "Per distance bin and per model: competence, N*(d), the margin N*(d) - d, N* and the "
+        "largest competent d, and the drop at N = W inside and beyond the replay, of a study "
+        "read with the uncensored suite."))
+    parser.add_argument("--study", required=True, help="a study directory or its archive")
+    parser.add_argument("--out", required=True, help="output directory (e.g. findings/ladder)")
+    parser.add_argument("--erf", default=None, help=(
+        "an evals.erf output directory or an archived erf_shares.csv (the share of decoder "
+        "influence beyond W per model)"))
+    parser.add_argument("--alpha", type=float, default=0.05, help="significance level")
+    args = parser.parse_args(argv)
+    erf = Path(args.erf) if args.erf else None
+    return findings.list_written("reach", lambda: write(Path(args.study), Path(args.out), erf,
+                                                        args.alpha), errors=(FileNotFoundError,
+                                                                             ValueError))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""The uncensored suite: its generator realises the requested span starts, and evals.reach
+computes competence, N*(d), the margin and a model's N* per bin on fabricated outcomes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pandas as pd
+import pytest
+
+from ced import ModelConfig, exact_replay_length
+from evals import reach
+from evals.suites.families import SuiteSettings, build_documents, uncensored_span_starts
+
+
+def _cfg(window: int, decoder_layers: int) -> ModelConfig:
+    return ModelConfig(variant="ced", d_model=32, n_heads=2, n_encoder_layers=2,
+                       n_decoder_layers=decoder_layers, window=window, topk=4,
+                       global_from_layer=1, encoder_kv_groups=1, max_seq_len=512)
+
+
+@pytest.mark.parametrize("window,decoder_layers", [(8, 2), (16, 2), (8, 8), (4, 20), (32, 8)])
+def test_grid_reaches_past_r_exact(window, decoder_layers):
+    r_exact = exact_replay_length(_cfg(window, decoder_layers))
+    grid = uncensored_span_starts(window, r_exact)
+    assert grid == sorted(set(grid)) and min(grid) >= 3
+    assert grid[-1] == 3 * r_exact // 2 > r_exact and r_exact in grid
+    assert {d for d in (window // 2, window, window + 1, 3 * window // 2, 2 * window)
+            if 3 <= d < r_exact} <= set(grid)
+    below = [d for d in grid if d > 2 * window and d < r_exact]
+    assert all(d % window == 0 for d in below)          # multiples of W up to R_exact
+    # every replay length below R_exact has evidence beyond it, and W/2 and up inside it
+    for n in range(grid[0], r_exact):
+        assert any(d > n for d in grid) and any(d <= n for d in grid)
+
+
+@pytest.mark.parametrize("window,decoder_layers", [(8, 2), (16, 2), (8, 8)])
+@pytest.mark.parametrize("family", ["running_count", "running_bracket"])
+def test_generator_realises_each_requested_bin(window, decoder_layers, family):
+    cfg = _cfg(window, decoder_layers)
+    settings = SuiteSettings.from_config(cfg, [window], span_grid="uncensored")
+    grid = uncensored_span_starts(window, exact_replay_length(cfg))
+    docs = build_documents(settings, examples=5, families=[family])
+    assert sorted({d["x"] for d in docs}) == grid
+    lengths = {d["length"] for d in docs}
+    assert len(lengths) == 1 and lengths.pop() > max(grid)        # one prompt length for all
+    for doc in docs:
+        context = doc["context"]
+        # `|` sits exactly d tokens before the answer (the prompt's end is distance 1: `?`)
+        assert len(context) - context.rindex("|") == doc["x"] == doc["distance"]
+        window_text = context[context.rindex("|") + 1:-1]
+        if family == "running_count":
+            assert doc["target"] == str(window_text.count("a"))
+        else:
+            assert doc["target"] == str(window_text.count("(") - window_text.count(")"))
+
+
+def test_extra_distances_join_the_grid_and_bad_names_are_refused():
+    cfg = _cfg(8, 2)
+    settings = SuiteSettings.from_config(cfg, [8], span_grid="uncensored", extra_distances=(10,))
+    assert 10 in settings.span_starts
+    with pytest.raises(ValueError, match="span_grid"):
+        SuiteSettings.from_config(cfg, [8], span_grid="everything")
+    with pytest.raises(ValueError, match="span_grid"):
+        SuiteSettings.from_config(ModelConfig(variant="dense", d_model=32, n_heads=2,
+                                              n_encoder_layers=2, n_decoder_layers=2),
+                                  [8], span_grid="uncensored")
+
+
+def test_n_star_of_bin_needs_every_larger_n():
+    assert reach.n_star_of_bin(pd.Series({4: -0.5, 8: 0.0, 12: -0.1, 15: 0.0})) == 15
+    assert reach.n_star_of_bin(pd.Series({4: -0.5, 8: -0.004, 12: 0.0, 15: 0.0})) == 8
+    assert reach.n_star_of_bin(pd.Series({4: 0.0, 8: 0.0})) == 4
+    assert math.isnan(reach.n_star_of_bin(pd.Series({4: 0.0, 8: -0.2})))
+
+
+def _fabricate(rng: random.Random, models: dict, grid_n: list[int], examples: int = 40):
+    """Suite rows (results.csv shape) from a rule per model: `models[(job, seed)] = (acc_full
+    by d, lose(d, n) -> probability that a right answer turns wrong at replay n)`."""
+    rows = []
+    for (job, seed), (full_by_d, lose) in models.items():
+        for d, acc in full_by_d.items():
+            for i in range(examples):
+                doc = f"running_count/distance={d}/{i}"
+                right = i < round(acc * examples)
+                rows.append({"job": job, "train_seed": seed, "family": "running_count",
+                             "x": str(d), "id": doc, "mode": "full", "correct": right})
+                for n in grid_n:
+                    mode = "replay=exact" if n == grid_n[-1] else f"replay={n}"
+                    wrong = right and rng.random() < lose(d, n)
+                    rows.append({"job": job, "train_seed": seed, "family": "running_count",
+                                 "x": str(d), "id": doc, "mode": mode,
+                                 "correct": right and not wrong})
+            rows.append({"job": job, "train_seed": seed, "family": "recall", "x": "5",
+                         "id": "recall/0", "mode": "full", "correct": seed % 2 == 0})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bins_models_and_cells_on_a_fabricated_study(seed):
+    rng = random.Random(seed)
+    grid_n, marks = [4, 8, 12, 15], {"window": {"W": 8, "R_exact": 15},
+                                      "global": {"W": 8, "R_exact": 15}}
+    bins_d = [4, 8, 9, 12, 15, 22]
+    # "window": the replay loses every answer whose span starts beyond it (d > n);
+    # "global": nothing is lost anywhere; seed 1 of "window" is not competent beyond d = 12
+    models = {("window", s): ({d: (0.5 if (s == 1 and d > 12) else 1.0) for d in bins_d},
+                              lambda d, n: 1.0 if d > n and n < 15 else 0.0) for s in (0, 1)}
+    models.update({("global", s): ({d: 1.0 for d in bins_d}, lambda d, n: 0.0)
+                   for s in (0, 1)})
+    results = _fabricate(rng, models, grid_n)
+    paired = reach.paired_outcomes(results, marks)
+    bins = reach.bin_table(paired, results, marks)
+    window = bins[bins["job"] == "window"].set_index(["seed", "d"])
+    # N*(d): the smallest grid N >= d (15 = R_exact for every d above 12), margin N*(d) - d
+    for d in bins_d:
+        expect = next(n for n in grid_n if n >= d) if d <= 15 else 15
+        assert window.loc[(0, d), "N_star_d"] == expect
+        assert window.loc[(0, d), "margin"] == expect - d
+    assert not window.loc[(1, 15), "competent"] and window.loc[(1, 12), "competent"]
+    assert (bins[bins["job"] == "global"]["N_star_d"] == 4).all()
+    models_t = reach.model_table(paired, bins, results, marks).set_index(["job", "seed"])
+    assert models_t.loc[("window", 0), "N_star"] == 15
+    assert models_t.loc[("window", 1), "N_star"] == 12          # censored at its reach
+    assert models_t.loc[("window", 1), "largest_competent_d"] == 12
+    assert models_t.loc[("window", 0), "horizon"] == 22
+    assert models_t.loc[("window", 0), "drop_beyond"] == -1.0
+    assert models_t.loc[("window", 0), "drop_inside"] == 0.0
+    assert models_t.loc[("window", 1), "n_beyond"] == 80         # only d = 9, 12 competent
+    assert bool(models_t.loc[("window", 0), "fails_beyond"])
+    assert not models_t.loc[("global", 0), "fails_beyond"]
+    assert models_t.loc[("global", 0), "recall_full"] == 1.0
+    assert models_t.loc[("global", 1), "recall_full"] == 0.0
+    cells = reach.cell_table(paired, models_t.reset_index(), bins, marks).set_index("job")
+    assert cells.loc["window", "drop_beyond"] == -1.0
+    assert cells.loc["window", "failed_beyond"] == 2 and cells.loc["global", "failed_beyond"] == 0
+    assert cells.loc["global", "seed_ci_low_beyond"] == cells.loc["global", "seed_ci_high_beyond"] == 0
+    assert cells.loc["window", "ci_low_beyond"] <= -0.95
