@@ -629,6 +629,61 @@ def replay_length(c: ModelConfig, replay: None | int | str, part: ReplayPart = "
     return replay
 
 
+@dataclass(frozen=True)
+class StatedReplay:
+    """A replay length as written and the N it stands for on one model (`state_replay`), so
+    that a tool can say both: `str()` is 'W/3 -> 2', '3W -> 15 (R_exact; 3W is 24)', or '8'
+    when the form is the number itself."""
+
+    form: str                  # as written, spaces removed: 'W/3', '3W', '8', 'exact'
+    length: int                # the form's own length (`replay_length`)
+    n: int                     # the length a tool uses: `length`, at most `exact`
+    exact: int | None          # R_exact (decoder) or the exact N_e (encoder); None: no decoder
+    part: str = "decoder"
+
+    @property
+    def clamped(self) -> bool:
+        return self.n < self.length
+
+    def __str__(self) -> str:
+        if self.clamped:
+            return f"{self.form} -> {self.n} ({_EXACT_NAME[self.part]}; {self.form} is {self.length})"
+        return self.form if self.form == str(self.n) else f"{self.form} -> {self.n}"
+
+    def warning(self, name: str = "replay") -> str | None:
+        """The line a tool prints when the form was capped at the exact length; else None."""
+        if not self.clamped:
+            return None
+        return (f"warning: {name}: {self.form} is {self.length} positions on this model, above "
+                f"{_EXACT_NAME[self.part]} = {self.exact} (from which replay is exact); "
+                f"using N = {self.exact}")
+
+
+_EXACT_NAME = {"decoder": "R_exact", "encoder": "the exact N_e"}
+
+
+def state_replay(c: ModelConfig, replay: int | str, part: ReplayPart = "decoder",
+                 name: str = "replay") -> StatedReplay:
+    """What a tool evaluates for a replay form written by a user: `replay_length`, capped at
+    the exact length of `part` (R_exact, or the exact N_e of docs/semantics.md 4.2) when the
+    model has a decoder. A longer replay computes exactly what the exact one does, so the
+    cap changes no result, only the N a table reports; the returned `StatedReplay` says so
+    (`warning`). Lengths that are not replays (distances, a continuation) use
+    `replay_length` itself."""
+    length = replay_length(c, parse_replay_form(replay, name), part, name)
+    exact = None
+    if c.has_decoder:
+        exact = exact_replay_length(c) if part == "decoder" else exact_encoder_replay_length(c)
+    return StatedReplay(str(replay).replace(" ", ""), length,
+                        length if exact is None else min(length, exact), exact, part)
+
+
+def describe_replays(stated: Iterable[StatedReplay]) -> str:
+    """'W/3 -> 2, 3W -> 15 (R_exact; 3W is 24), 8': how each form resolved, for a progress
+    line or a record."""
+    return ", ".join(str(s) for s in stated)
+
+
 def resolve_replay(c: ModelConfig, replay: None | int | str, available: int,
                    name: str = "replay", part: ReplayPart = "decoder") -> int:
     """Positions a replay runs out of `available` (an int >= 0), as the engine and the cost
@@ -667,5 +722,6 @@ def default_hidden_tail(c: ModelConfig, replays: Iterable[int] = ()) -> int:
 __all__ = ["ModelConfig", "UnmodelledParts", "LayerPlan", "LayerSpec", "SourceSpec", "build_plan",
            "group_sizes", "VariantTraits", "VARIANT_TRAITS", "VARIANTS",
            "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length",
-           "replay_length", "resolve_replay", "is_window_form", "keep_from", "default_hidden_tail",
+           "replay_length", "resolve_replay", "state_replay", "StatedReplay",
+           "describe_replays", "is_window_form", "keep_from", "default_hidden_tail",
            "global_read_is_masked", "GLOBAL_READS", "executed_ff_dim", "FF_PAD"]

@@ -684,11 +684,27 @@ def _prepare_run_dir(run: _Run, plan: RunPlan) -> None:
                   f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in plan.changes.items())
               + f"; recorded in {run_dir / CONFIG_CHANGES}", file=sys.stderr)
     _write_config(run_dir / CONFIG_YAML, cfg)
+    _state_replay_simulation(run)
     run.metrics_file.write_text("".join(line + "\n" for line in plan.metrics))
     if plan.resume_from is not None:
         print(f"resumed from {plan.resume_from} at step {plan.start_step}")
     if cfg.logging.wandb:
         _init_wandb(accelerator, cfg, run_dir, run.trainer_state)
+
+
+def _state_replay_simulation(run: _Run) -> None:
+    """Say the replay simulation's length form beside its N ('train.replay.length W/2 -> 4'),
+    and record both in the trainer state every checkpoint saves (config.yaml keeps the form
+    as written). Not capped at R_exact as the evaluations' replays are: a simulated replay
+    start changes training at every length (docs/semantics.md 4.4)."""
+    sim, model = run.cfg.train.replay, run.cfg.model
+    if sim.probability == 0:
+        return
+    n = sim.resolved_length(model)
+    said = str(sim.length) if str(sim.length) == str(n) else f"{sim.length} -> {n}"
+    print(f"replay simulation: train.replay.length {said} (W = {model.window}), probability "
+          f"{sim.probability}", flush=True)
+    run.trainer_state["replay_simulation"] = {"length": str(sim.length), "N": n}
 
 
 # ---- one step ----------------------------------------------------------------------------------

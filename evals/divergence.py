@@ -14,7 +14,8 @@ model's (the engine's full prefill, every token through every layer):
 
 Outputs in the run directory: `divergence.csv` and `.parquet` (tidy: one row per checkpoint,
 T, prompt, mode, metric, step / layer / offset), `summary.json` (mean and bootstrap 95% CI over
-prompts), PNG plots, and the same tables and plots in wandb (offline by default).
+prompts), `replays.json` (per checkpoint: W, R_exact and the N each replay form resolved to,
+as also printed), PNG plots, and the same tables and plots in wandb (offline by default).
 
     python -m evals.divergence 'checkpoints=[outputs/train/<run>/final]' 'replays=[1,8,32]'
 """
@@ -34,7 +35,8 @@ import torch
 
 from ced import InferenceEngine, exact_replay_length
 from ced.checkpoint import CheckpointError, load_model
-from ced.config import default_hidden_tail, replay_length
+from ced.config import default_hidden_tail, describe_replays, state_replay
+from ced.tracking import checkpoint_label
 from ced.data import build_source
 from ced.records import write_json
 from ced.writable import OutputDirError, check_hydra_output, check_output_dir
@@ -90,11 +92,21 @@ class DivergenceConfig:
 
 # ---- modes per model -------------------------------------------------------------------------
 
+def stated_replays(cfg, c: DivergenceConfig) -> dict[str, list]:
+    """How `c.replays` and `c.encoder_replays` resolve for a model with a decoder
+    (`ced.config.state_replay`: W forms against its own W, capped at its exact length), as
+    {"replays": [...], "encoder_replays": [...]} of `StatedReplay`s ('exact' in `replays` is
+    left out: `modes_for` always adds replay=exact). A bad entry is a ValueError naming it."""
+    return {"replays": [state_replay(cfg, n, name="replays") for n in c.replays
+                        if n != "exact"],
+            "encoder_replays": [state_replay(cfg, n, part="encoder", name="encoder_replays")
+                                for n in c.encoder_replays]}
+
+
 def replays_for(cfg, c: DivergenceConfig) -> list[int]:
-    """`c.replays` resolved for a model with a decoder: ints as given, W forms and R_exact
-    against its own config ('exact' is dropped: `modes_for` always adds replay=exact);
-    sorted, without duplicates. A bad entry is a ValueError naming `replays`."""
-    return sorted({replay_length(cfg, n, name="replays") for n in c.replays if n != "exact"})
+    """The decoder replay lengths N of `c.replays` for a model (`stated_replays`), sorted,
+    without duplicates."""
+    return sorted({s.n for s in stated_replays(cfg, c)["replays"]})
 
 
 def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
@@ -115,8 +127,7 @@ def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
         if policy == "encoder_replay":
             text += f",encoder_replay={turn_n}"
         modes.append((parse_mode(text), turn_n))
-    for n_e in c.encoder_replays:
-        value = replay_length(cfg, n_e, part="encoder", name="encoder_replays")
+    for value in sorted({s.n for s in stated_replays(cfg, c)["encoder_replays"]}):
         # cached_hidden with exact decoder replay isolates the encoder's approximation.
         modes.append((parse_mode(f"turn={c.turn_tokens},policy=cached_hidden,replay=exact,"
                                  f"encoder_replay={value}"), exact))
@@ -234,9 +245,23 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
     for checkpoint in c.checkpoints:   # every one, before hours go into the first
         modes_for(load_model(checkpoint).cfg, c)     # a bad replay form fails here too
     rows: list[dict] = []
+    resolved: dict[str, dict] = {}     # per checkpoint, each replay form and its N
     for checkpoint in c.checkpoints:
         model = load_model(checkpoint).to(dtype)
         cfg = model.cfg
+        label = checkpoint_label(checkpoint)
+        if cfg.has_decoder:
+            stated = stated_replays(cfg, c)
+            resolved[str(checkpoint)] = {
+                "W": cfg.window, "R_exact": exact_replay_length(cfg),
+                **{key: {s.form: s.n for s in values} for key, values in stated.items()}}
+            print(f"[divergence] {label}: W = {cfg.window}, R_exact = "
+                  f"{exact_replay_length(cfg)}; replays {describe_replays(stated['replays'])}; "
+                  f"encoder_replays {describe_replays(stated['encoder_replays'])}", flush=True)
+            for key, values in stated.items():
+                for s in values:
+                    if s.warning(key):
+                        print(f"[divergence] {label}: {s.warning(key)}", flush=True)
         # The cached_hidden policy reads H_{L_e} of N - m prefix positions: keep enough.
         engine = InferenceEngine(model, hidden_tail=default_hidden_tail(
             cfg, [c.turn_replay or cfg.window,
@@ -263,7 +288,7 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
                 exact = mode_logits(engine, context, continuation, Mode("full"))
                 exact_greedy = mode_generate(engine, context, c.greedy_steps, Mode("full"))
                 for mode, n_replay in modes:
-                    print(f"[divergence] {Path(checkpoint).name} T={length} prompts "
+                    print(f"[divergence] {label} T={length} prompts "
                           f"{b0}-{b0 + len(batch) - 1} mode {mode.name}", flush=True)
                     approx = mode_logits(engine, context, continuation, mode)
                     metrics = distribution_metrics(exact, approx, continuation)
@@ -282,6 +307,8 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
                         for row in layer_errors(engine, context, n_replay):
                             rows.append({**base, "T": length, "prompt": -1, "mode": mode.name,
                                          "N": n_replay, "step": 0, **row})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "replays.json").write_text(json.dumps(resolved, indent=1))
     write_outputs(c, rows, out_dir)
     return rows
 

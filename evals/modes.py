@@ -8,8 +8,9 @@ A mode is written as a short string:
     replay=32 | replay=exact      early-exit prefill with bounded / exact decoder replay; a
                                   replay takes every form of `ced.config.parse_replay_form`
                                   (32, W, W/2, 2W, R_exact, exact), and `resolve_mode` turns
-                                  a window form into its length for one model (replay=W ->
-                                  replay=16 at W = 16) before the mode is run or recorded
+                                  a form into its length for one model (replay=W -> replay=16
+                                  at W = 16; at most R_exact: `ced.config.state_replay`)
+                                  before the mode is run or recorded
     turn=8,policy=suffix_only,replay=32[,encoder_replay=64|exact][,prefix_cache=0]
                                   the context's last 8 tokens are a new turn appended to a
                                   cached prefix (docs/semantics.md 4.3); a prefix cache
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ced import InferenceEngine
-from ced.config import ModelConfig, parse_replay_form, replay_length
+from ced.config import ModelConfig, parse_replay_form, replay_length, state_replay
 from ced.inference import POLICIES
 
 
@@ -82,13 +83,19 @@ def format_mode(mode: Mode) -> str:
 
 def resolve_mode(mode: Mode, cfg: ModelConfig) -> Mode:
     """`mode` for one model: a window form of its replay or encoder replay becomes that model's
-    length (`ced.config.replay_length`), and the name is rewritten to say so (replay=W ->
-    replay=16), so results name the length that ran. Ints and 'exact' stay as they are; a
-    mode with no window form is returned unchanged, name included."""
+    length, and the name is rewritten to say so (replay=W -> replay=16), so results name the
+    length that ran. A single-turn replay above R_exact is read as R_exact
+    (`ced.config.state_replay`: it computes the same); a multi-turn mode keeps its lengths,
+    since its encoder replay's exact bound grows with N (docs/semantics.md 4.3). 'exact'
+    stays as it is; a mode whose lengths do not change is returned unchanged, name
+    included."""
     def length(value, part: str, key: str):
-        if not isinstance(value, str) or value == "exact":
+        if value is None or value == "exact":
             return value
-        return replay_length(cfg, value, part=part, name=f"mode {mode.name!r}: {key}")
+        name = f"mode {mode.name!r}: {key}"
+        if part == "decoder" and mode.turn is None and cfg.has_decoder:
+            return state_replay(cfg, value, name=name).n
+        return value if isinstance(value, int) else replay_length(cfg, value, part, name)
     replay = length(mode.replay, "decoder", "replay")
     encoder = length(mode.encoder_replay, "encoder", "encoder_replay")
     if (replay, encoder) == (mode.replay, mode.encoder_replay):

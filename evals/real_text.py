@@ -64,7 +64,7 @@ import torch
 
 from ced import exact_replay_length
 from ced.checkpoint import CheckpointError, load_model
-from ced.config import parse_replay_form, replay_length
+from ced.config import describe_replays, parse_replay_form, replay_length, state_replay
 from ced.data.tokenizer import ByteTokenizer
 from ced.records import write_json
 from ced.writable import check_output_dir
@@ -356,14 +356,13 @@ def geometry(cfg, checkpoint: str, replays: list[str], continuation: str, contex
              passes: int) -> tuple[dict[str, int], int] | None:
     """({form: N}, G) for a model whose replay is read, None for one read for its NLL only
     (no decoder, or an exact early exit: yoco). N above R_exact is read as R_exact (a replay
-    that long is exact). Refuses, naming the flag, a context shorter than R_exact + G (the
+    that long is exact: `ced.config.state_replay`). Refuses, naming the flag, a context shorter than R_exact + G (the
     period of the replay starts: a byte needs a start before it inside its row and its
     model's whole reach in the row) and more passes than the period has positions."""
     if not cfg.has_decoder or cfg.traits.exact_early_exit:
         return None
     r_exact = exact_replay_length(cfg)
-    lengths = {form: min(replay_length(cfg, parse_replay_form(form, "--replays"),
-                                       name="--replays"), r_exact) for form in replays}
+    lengths = {form: state_replay(cfg, form, name="--replays").n for form in replays}
     g = replay_length(cfg, parse_replay_form(continuation, "--continuation"),
                       name="--continuation")
     if context < r_exact + g:
@@ -399,6 +398,12 @@ def score_checkpoint(checkpoint: str, replays: list[str], continuation: str, pas
         return None, {}, 0, {**label, "nll_exact": float(nll.mean()), "bytes": len(nll)}
     lengths, g = read
     r_exact = exact_replay_length(cfg)
+    stated = [state_replay(cfg, form, name="--replays") for form in replays]
+    print(f"[real_text] {checkpoint}: W = {cfg.window}, R_exact = {r_exact}; replays "
+          f"{describe_replays(stated)}", flush=True)
+    for s in stated:
+        if s.warning("--replays"):
+            print(f"[real_text] {checkpoint}: {s.warning('--replays')}", flush=True)
     scores = score(model, rows, r_exact + g, passes, batch_size)
     table = token_table(scores, rows, [name for name, _ in files],
                         [annotate(data) for _, data in files], cfg.window)

@@ -1,7 +1,9 @@
 """lm-evaluation-harness model `ced`: a CED checkpoint scored on the inference-engine path.
 
     lm_eval --model ced --model_args checkpoint=/path/final,replay=32 ...      (see __main__)
-    model_args: checkpoint (required), replay (int | exact | none; default none = `full`),
+    model_args: checkpoint (required), replay (N, W, W/k, kW, kW/d, R_exact, exact or none;
+                default none = `full`; said with its N on stderr and in the results'
+                config as ced_replay, e.g. 'W/2 -> 3'; above R_exact read as R_exact),
                 turn + policy (+ encoder_replay, prefix_cache): a multi-turn mode, the context's
                 last `turn` tokens being a new turn on a cached prefix (docs/semantics.md 4.3),
                 mode (instead of the above: an evals.modes string, ';' for ','),
@@ -33,6 +35,7 @@ last tokens.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import defaultdict
 
 import lm_eval.models  # noqa: F401  (registers the built-in models before ours: see get_model)
@@ -40,6 +43,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from ced.config import state_replay
 from ced.data import ByteTokenizer
 from evals.modes import Mode, mode_generate, mode_logits, parse_mode, resolve_mode
 
@@ -133,11 +137,21 @@ class CEDLM(LM):
         if self.mode.replay is not None and not self.cfg.has_decoder:
             raise ModelArgsError(f"ced: replay needs a decoder; variant {self.cfg.variant!r} "
                                  f"has none")
+        written = self.mode.replay
         try:    # replay=W and the other window forms: this checkpoint's own length
             self.mode = resolve_mode(self.mode, self.cfg)
         except ValueError as exc:
             raise ModelArgsError(f"ced: model_args: {exc}") from None
         self.mode_name = self.mode.name
+        # the form as written beside the N that runs (lm-eval's own table shows only the
+        # model_args string)
+        self.replay_said = None
+        if written is not None and self.mode.turn is None:
+            stated = state_replay(self.cfg, written, name="replay")
+            self.replay_said = str(stated)
+            print(f"ced: replay {stated}", file=sys.stderr, flush=True)
+            if stated.warning():
+                print(f"ced: {stated.warning()}", file=sys.stderr, flush=True)
         # rolling windows start from a lone BOS: no turn to split off
         self.rolling_mode = parse_mode("full" if self.mode.replay is None
                                        else f"replay={self.mode.replay}")
@@ -163,7 +177,8 @@ class CEDLM(LM):
 
     def get_model_info(self) -> dict:
         return {"ced_checkpoint": str(self.checkpoint), "ced_mode": self.mode_name,
-                "ced_variant": self.cfg.variant, "ced_topk": self.cfg.topk}
+                "ced_replay": self.replay_said, "ced_variant": self.cfg.variant,
+                "ced_topk": self.cfg.topk}
 
     # ---- scoring -----------------------------------------------------------------------------
     def _start(self, context: str) -> list[int]:

@@ -35,7 +35,8 @@ from torch import Tensor
 
 from ced import CEDModel, InferenceEngine
 from ced.checkpoint import load_model
-from ced.config import default_hidden_tail, parse_replay_form, replay_length, resolve_replay
+from ced.config import (default_hidden_tail, describe_replays, parse_replay_form, replay_length,
+                        resolve_replay, state_replay)
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
 from evals.cli import option
@@ -384,9 +385,13 @@ def run_suite(config: SuiteConfig) -> dict:
     model = load_checkpoint(c.checkpoint, topk=c.topk, dtype=c.dtype, device=c.device, kv=c.kv)
     out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
-    # replay forms (W, W/2, R_exact, ...) resolve against this checkpoint's own config
-    replays = [replay_length(cfg, parse_replay_form(n, "replays"), name="replays")
-               for n in c.replays]
+    # replay forms (W, W/2, R_exact, ...) resolve against this checkpoint's own config, at
+    # most its R_exact (ced.config.state_replay); each is said with its N, and recorded
+    stated = [state_replay(cfg, n, name="replays") for n in c.replays]
+    replays = [s.n for s in stated]
+    for s in stated:
+        if s.warning("--replay"):
+            print(s.warning("--replay"), file=sys.stderr)
     sweep_replays = None if c.sweep_replays is None else [
         replay_length(cfg, parse_replay_form(n, "sweep_replays"), name="sweep_replays")
         for n in c.sweep_replays]
@@ -403,6 +408,7 @@ def run_suite(config: SuiteConfig) -> dict:
     if not c.quiet:
         from .families import describe
         print(describe(settings), file=sys.stderr)
+        print(f"replays: {describe_replays(stated)}", file=sys.stderr)
         print(f"modes: {base} + {len(turn)} multi-turn modes on "
               f"{[f for f in FAMILIES if FAMILIES[f].turn_modes]}", file=sys.stderr)
     t0 = time.time()
@@ -414,6 +420,7 @@ def run_suite(config: SuiteConfig) -> dict:
         "checkpoint": str(c.checkpoint), "config": cfg.to_dict(),
         "settings": dataclasses.asdict(settings), "examples": c.examples,
         "modes": base, "turn_modes": turn, "alpha": c.alpha, "seconds": elapsed,
+        "replays": {s.form: s.n for s in stated},
         "scoring": "teacher-forced exact match on the engine path (evals.modes.mode_logits)",
         "warnings": warnings,
     }

@@ -227,6 +227,20 @@ def test_every_family_through_lm_eval_agrees_with_the_suite_runner(checkpoint, m
             assert s["exact_match"] == float(s["resps"][0][0] == s["doc"]["target"])
 
 
+def test_lm_eval_output_carries_the_resolved_replay(checkpoint, tasks, capfd):
+    """W = 6, R_exact = 11: replay=3W is 18, read as 11 with a warning naming R_exact; the
+    results' config says the form and its N, and so does stderr."""
+    task_dir, _, _ = tasks
+    res = run_lm_eval(checkpoint, task_dir, ["ced_recall"], limit=1, replay="3W")
+    assert res["config"]["ced_replay"] == "3W -> 11 (R_exact; 3W is 18)"
+    assert res["config"]["ced_mode"] == "replay=11"
+    err = capfd.readouterr().err
+    assert "ced: replay 3W -> 11 (R_exact; 3W is 18)" in err
+    assert "ced: warning: replay: 3W is 18 positions on this model, above R_exact = 11" in err
+    res = run_lm_eval(checkpoint, task_dir, ["ced_recall"], limit=1, replay="W/4")
+    assert res["config"]["ced_replay"] == "W/4 -> 1" and res["config"]["ced_mode"] == "replay=1"
+
+
 def test_multiturn_policy_through_lm_eval(checkpoint, model, tasks):
     task_dir, docs, _ = tasks
     mode = "turn=2,policy=encoder_replay,replay=5"

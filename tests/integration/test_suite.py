@@ -87,6 +87,23 @@ def test_documents_are_ced_data_examples_at_the_requested_points(settings):
     assert build_documents(settings, 2) == docs                              # deterministic
 
 
+def test_suite_says_each_replay_form_with_its_n_and_caps_it_at_r_exact(checkpoint, tmp_path,
+                                                                        capsys):
+    """W = 6, R_exact = 11: W/3 is 2 (floor), 3W is 18, read as 11 with a warning naming
+    R_exact; both printed and recorded in summary.json."""
+    out = tmp_path / "run"
+    assert suite_main(["--checkpoint", str(checkpoint), "--replay", "W/3", "3W", "--out",
+                       str(out), "--examples", "1", "--families", "recall", "--no-plot",
+                       "--no-wandb"]) == 0
+    err = capsys.readouterr().err
+    assert "replays: W/3 -> 2, 3W -> 11 (R_exact; 3W is 18)" in err
+    assert ("warning: --replay: 3W is 18 positions on this model, above R_exact = 11 (from "
+            "which replay is exact); using N = 11") in err
+    run = json.loads((out / "summary.json").read_text())["run"]
+    assert run["replays"] == {"W/3": 2, "3W": 11}
+    assert "replay=2" in run["modes"] and "replay=18" not in run["modes"]
+
+
 def test_suite_cli_end_to_end(checkpoint, tmp_path):
     out = tmp_path / "run"
     argv = ["--checkpoint", str(checkpoint), "--replay", *map(str, REPLAYS), "--out", str(out),

@@ -60,6 +60,20 @@ def test_same_config_and_seed_give_the_same_loss_curve_bitwise(tmp_path):
     assert (tmp_path / "a" / "config.yaml").exists()
 
 
+def test_the_replay_simulation_length_is_said_with_its_n(tmp_path):
+    """W = 8: train.replay.length=W/3 is floor(8/3) = 2, printed beside the form and recorded
+    in the trainer state of every checkpoint; config.yaml keeps the form."""
+    done = run_train(tmp_path / "run", "train.steps=2", "train.save_every=2",
+                     "train.eval_every=2", "train.replay.probability=0.5",
+                     "train.replay.length=W/3")
+    assert "replay simulation: train.replay.length W/3 -> 2 (W = 8), probability 0.5" \
+        in done.stdout
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" /
+                        "trainer_state.json").read_text())
+    assert state["replay_simulation"] == {"length": "W/3", "N": 2}
+    assert "length: W/3" in (tmp_path / "run" / "config.yaml").read_text()
+
+
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     steps = ["train.steps=30", "train.save_every=5", "train.eval_every=100", "model.dropout=0.1",
              "train.replay.probability=0.5", "train.replay.length=6", "train.keep_last=2"]
