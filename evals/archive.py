@@ -18,6 +18,8 @@ of `evals.findings` and `evals.depth` need, as a skeleton study directory:
     suite/<job>/seed<k>/summary.json   the suite run's checkpoint, model config and settings
                                        (W, R_exact, ...), without its tables
     runs/<job>/seed<k>/config.yaml     the training config (L_d, arm)
+    runs/<job>/seed<k>/final/          with --weights: the final checkpoint (model.safetensors,
+                                       config.json) and metrics.jsonl, the training curve
     summary.json                       the driver's invocations (command, commit, time) and
                                        step times, merged over every archived study directory
 
@@ -43,6 +45,8 @@ import pandas as pd
 CELLS = "cells.csv"
 OUTCOMES = "outcomes.csv.gz"
 OUTCOME_COLUMNS = ["id", "family", "x", "mode", "correct", "kl_answer"]
+# what `--weights` keeps of a run: the final checkpoint and the training curve
+WEIGHT_FILES = ("final/model.safetensors", "final/config.json", "metrics.jsonl")
 FULL = "full"
 
 
@@ -87,8 +91,11 @@ def expand_cells(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
 
 
-def archive(study: Path, into: Path) -> list[str]:
-    """Archive every model of `study` that has suite results into `into`; returns the labels."""
+def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
+    """Archive every model of `study` that has suite results into `into`; returns the labels.
+    weights: also keep each model's final checkpoint (`runs/<job>/seed<k>/final/`: weights and
+    model config, a few megabytes at the studies' sizes) and its training curve
+    (`metrics.jsonl`), so that a later suite can read the same models without retraining."""
     done = []
     for results in sorted((study / "suite").glob("*/seed*/results.csv")):
         label = f"{results.parent.parent.name}/{results.parent.name}"
@@ -105,10 +112,11 @@ def archive(study: Path, into: Path) -> list[str]:
         keep = {k: run[k] for k in ("checkpoint", "config", "settings", "examples", "modes",
                                     "seconds") if k in run}
         (target / "summary.json").write_text(json.dumps({"run": keep}, indent=1) + "\n")
-        config = study / "runs" / label.split("@")[0] / "config.yaml"
-        if config.exists():
-            (into / "runs" / label.split("@")[0]).mkdir(parents=True, exist_ok=True)
-            shutil.copy(config, into / "runs" / label.split("@")[0] / "config.yaml")
+        run, kept = study / "runs" / label.split("@")[0], into / "runs" / label.split("@")[0]
+        for name in ("config.yaml", *(WEIGHT_FILES if weights else ())):
+            if (run / name).exists():
+                (kept / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(run / name, kept / name)
         done.append(label)
     _merge_summary(study / "summary.json", into / "summary.json")
     return done
@@ -156,13 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--erf", default=None, help="an evals.erf output directory over some of the "
                                                "study's checkpoints: their influence shares go "
                                                "into <into>/erf_shares.csv")
+    p.add_argument("--weights", action="store_true", help=(
+        "also keep each model's final checkpoint and metrics.jsonl, so that the archive can "
+        "be read again by a later suite without retraining"))
     args = p.parse_args(argv)
     study = Path(args.study)
     if not (study / "suite").is_dir() and not (study / "summary.json").exists():
         print(f"error: --study {study}: not a study directory (no suite/, no summary.json)",
               file=sys.stderr)
         return 2
-    labels = archive(study, Path(args.into))
+    labels = archive(study, Path(args.into), weights=args.weights)
     if args.erf:
         archive_erf(Path(args.erf), Path(args.into))
     print(f"[archive] {len(labels)} models into {args.into}: {' '.join(labels)}")

@@ -105,3 +105,26 @@ def test_an_invocation_archived_twice_while_it_ran_is_kept_once(tmp_path):
     archive(study, into)
     invocations = json.loads((into / "summary.json").read_text())["invocations"]
     assert [i["elapsed_s"] for i in invocations] == [99]
+
+
+def test_weights_are_kept_only_when_asked_and_read_back(tmp_path):
+    """--weights keeps each archived model's final checkpoint, which loads as the original."""
+    import torch
+    from ced import CEDModel, ModelConfig
+    from ced.checkpoint import load_model, save_model
+    study, plain, kept = tmp_path / "s", tmp_path / "plain", tmp_path / "kept"
+    write_study(study, [("L2", 0)])
+    run = study / "runs" / "L2" / "seed0"
+    torch.manual_seed(0)
+    model = CEDModel(ModelConfig(variant="ced", d_model=32, n_heads=2, n_encoder_layers=2,
+                                 n_decoder_layers=2, window=4, topk=4, global_from_layer=1,
+                                 encoder_kv_groups=1, max_seq_len=64))
+    save_model(model, run / "final")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    archive(study, plain)
+    assert not (plain / "runs" / "L2" / "seed0" / "final").exists()
+    archive(study, kept, weights=True)
+    back = load_model(kept / "runs" / "L2" / "seed0" / "final")
+    ids = torch.randint(0, 200, (2, 24))
+    assert torch.equal(back(ids), model.eval()(ids))
+    assert (kept / "runs" / "L2" / "seed0" / "metrics.jsonl").read_text().startswith('{"step"')
