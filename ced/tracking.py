@@ -166,27 +166,77 @@ def read_offline_run(run_dir: str | Path) -> dict:
     return out
 
 
+def offline_folders(paths: Iterable[str | Path]) -> list[Path]:
+    """The offline-run folders `paths` name: a run directory (its `wandb/offline-run-*`), a
+    `wandb/` directory, or offline-run folders themselves; oldest first (wandb names them
+    `offline-run-<date>_<time>-<id>`). A FileNotFoundError naming a path that holds none."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if list(path.glob("run-*.wandb")):
+            found.append(path)
+            continue
+        inside = sorted(path.glob("offline-run-*")) or sorted(path.glob("wandb/offline-run-*"))
+        if not inside:
+            raise FileNotFoundError(f"{path}: no wandb offline run in it (a run directory, its "
+                                    f"wandb/ folder or a wandb/offline-run-* folder)")
+        found += inside
+    return sorted(dict.fromkeys(found), key=lambda p: p.name)
+
+
+def read_run_history(paths: Iterable[str | Path]) -> dict:
+    """One run's record from all of its offline folders (`offline_folders`): a resumed run
+    writes one folder per process that ran it, under the same id, which `wandb sync` merges.
+    As `read_offline_run`, with config and summary updated folder by folder in time order,
+    history rows summed, artifacts joined, the last folder's exit code, and `folders`: [{name,
+    exit_code, history}] in order. A ValueError when the folders hold different runs."""
+    folders = offline_folders(paths)
+    parts = [read_offline_run(folder) for folder in folders]
+    ids = sorted({part["id"] for part in parts})
+    if len(ids) > 1:
+        raise ValueError(f"the offline folders hold {len(ids)} different runs (ids "
+                         f"{', '.join(ids)}); pass one run's folders")
+    out = {"id": ids[0], "config": {}, "summary": {}, "history": 0, "artifacts": {},
+           "exit_code": parts[-1]["exit_code"], "folders": []}
+    for folder, part in zip(folders, parts):
+        out["config"].update(part["config"])
+        out["summary"].update(part["summary"])
+        out["history"] += part["history"]
+        out["artifacts"].update(part["artifacts"])
+        out["folders"].append({"name": folder.name, "exit_code": part["exit_code"],
+                               "history": part["history"]})
+    return out
+
+
+def _ending(exit_code: int | None) -> str:
+    return ("not finished (killed)" if exit_code is None
+            else "finished" if exit_code == 0 else f"failed (exit {exit_code})")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ced.tracking OFFLINE_RUN_DIR [--json]`: print an offline run's config,
-    summary, artifacts and exit code, without a wandb server."""
+    """`python -m ced.tracking RUN [RUN ...] [--json]`: print an offline run's config,
+    summary, artifacts and how it ended, without a wandb server. RUN is a training run's
+    directory, its wandb/ folder or its offline-run-* folders: a resumed run's several folders
+    are read as one run's history."""
     import argparse
     import sys
     p = argparse.ArgumentParser(prog="python -m ced.tracking", description=main.__doc__)
-    p.add_argument("run", help="a wandb/offline-run-* directory")
+    p.add_argument("run", nargs="+", help="a run directory, its wandb/ folder, or "
+                                          "wandb/offline-run-* folders of one run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        info = read_offline_run(args.run)
+        info = read_run_history(args.run)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0
-    state = ("not finished (killed)" if info["exit_code"] is None
-             else "finished" if info["exit_code"] == 0 else f"failed (exit {info['exit_code']})")
-    print(f"run {info['id']}: {state}; {info['history']} history rows; artifacts: "
-          f"{info['artifacts'] or 'none'}")
+    folders = info["folders"]
+    spans = ("" if len(folders) == 1 else f" over {len(folders)} offline folders (" + ", ".join(
+        f"{f['name']}: {_ending(f['exit_code'])}, {f['history']} rows" for f in folders) + ")")
+    print(f"run {info['id']}: {_ending(info['exit_code'])}; {info['history']} history rows"
+          f"{spans}; artifacts: {info['artifacts'] or 'none'}")
     summary = {k: v for k, v in info["summary"].items() if not k.startswith("_")}
     for key in sorted(summary):
         print(f"  summary {key}: {summary[key]}")

@@ -8,6 +8,7 @@ by printing where it is and how it ended.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -208,9 +209,10 @@ def test_sweep_names_leave_out_what_conf_train_leaves_out():
         "optim.lr=1e-3,3e-3"                             # not a multirun: unchanged
 
 
-def test_an_offline_run_holds_its_config_summary_and_artifact(tmp_path):
+def test_an_offline_run_holds_its_config_summary_and_artifact(tmp_path, capsys):
     """What `wandb sync` uploads, read from the offline run's record log (the pinned wandb
     writes no config or summary into files/ until then): `python -m ced.tracking <run>`."""
+    from ced.tracking import main as tracking_main
     from ced.tracking import read_offline_run
     run = tmp_path / "run"
     run_train(run, "train.steps=2", "train.eval_every=2", "train.save_every=2",
@@ -227,3 +229,19 @@ def test_an_offline_run_holds_its_config_summary_and_artifact(tmp_path):
     assert shown.returncode == 0
     assert shown.stdout.startswith(f"run {info['id']}: finished; 2 history rows; artifacts: ")
     assert "  config model.d_model: 32" in shown.stdout
+    # a resumed run writes a second folder with the same id (one per process that ran it):
+    # `python -m ced.tracking <run>`, or the folders as the shell expands the glob, reads them
+    # as one history, in time order (a copy stands in for the resume's folder here: a second
+    # wandb start would double this test's time)
+    second = offline.with_name(offline.name.replace("offline-run-", "offline-run-9"))
+    shutil.copytree(offline, second)
+    expected = (f"run {info['id']}: finished; 4 history rows over 2 offline folders "
+                f"({offline.name}: finished, 2 rows, {second.name}: finished, 2 rows)")
+    shown = subprocess.run([sys.executable, "-m", "ced.tracking", str(run)], cwd=ROOT,
+                           env=ENV, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.startswith(expected), shown.stderr
+    assert tracking_main([str(offline), str(second)]) == 0      # the same, in-process
+    assert capsys.readouterr().out.startswith(expected)
+    done = subprocess.run([sys.executable, "-m", "ced.tracking", str(tmp_path)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path}: no wandb")
