@@ -22,12 +22,18 @@ class StudyError(ValueError):
     """A bad study file or driver option; the message is one line naming the key."""
 
 
+def known_studies() -> list[str]:
+    """The names of the studies in conf/experiment/ (every <name>.yaml), sorted: what the
+    driver's --help and its errors list, read from the folder so a new study is never left
+    out."""
+    return sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+
+
 def study_path(name: str) -> Path:
     """A study name (conf/experiment/<name>.yaml) or a path to a .yaml file."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else STUDY_DIR / f"{name}.yaml"
     if not path.exists():
-        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
-        raise StudyError(f"study={name}: no {path}; known studies: {known}")
+        raise StudyError(f"study={name}: no {path}; known studies: {known_studies()}")
     return path
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, List, Optional
 
+from ced.presets import known_studies
 from ced.records import DamagedRecord, read_json, set_aside, write_json
 
 from .study import (REAL_TEXT_READING, STUDY_DIR, StudyConfig, StudyError, config_hash,
@@ -84,8 +85,8 @@ class DriverConfig:
 
     def check(self) -> None:
         if self.study in ("???", "", None):
-            known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
-            raise StudyError(f"study: required (study=<name>); known studies: {known}")
+            raise StudyError(f"study: required (study=<name>); known studies: "
+                             f"{known_studies()}")
         if self.only not in ("all", "train", "eval", "report", "plan"):
             raise StudyError(f"only: must be all, train, eval, report or plan; got "
                              f"{self.only!r}")
@@ -1038,6 +1039,10 @@ def _hydra_task(cfg) -> int:
 def main() -> None:
     """Console entry (`ced-study`): Hydra main over conf/study.yaml."""
     import hydra
+    from omegaconf import OmegaConf
+    # --help's study list (conf/study.yaml's help template) is read from conf/experiment/
+    OmegaConf.register_new_resolver("ced_studies", lambda: ", ".join(known_studies()),
+                                    replace=True)
     try:
         check_driver_overrides(sys.argv[1:])
     except StudyError as exc:

@@ -278,8 +278,16 @@ def test_driver_rejects_unknown_keys_and_values_in_one_line():
 
 
 def test_driver_help_lists_every_study():
-    text = (Path(trainer.CONF_DIR) / "study.yaml").read_text()
-    line = next(ln for ln in text.splitlines() if ln.strip().startswith("Studies:"))
+    """The list is read from conf/experiment/ when --help runs, so a new study is in it."""
+    import os
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "experiments.run", "--help"],
+                          cwd=Path(trainer.CONF_DIR).parent, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = next(ln for ln in done.stdout.splitlines()
+                if ln.strip().startswith("Studies (conf/experiment/):"))
     assert [s.strip() for s in line.split(":", 1)[1].split(",")] == STUDIES
 
 
