@@ -647,7 +647,8 @@ class StatedReplay:
 
     def __str__(self) -> str:
         if self.clamped:
-            return f"{self.form} -> {self.n} ({_EXACT_NAME[self.part]}; {self.form} is {self.length})"
+            exact = _EXACT_NAME[self.part]
+            return f"{self.form} -> {self.n} ({exact}; {self.form} is {self.length})"
         return self.form if self.form == str(self.n) else f"{self.form} -> {self.n}"
 
     def warning(self, name: str = "replay") -> str | None:
