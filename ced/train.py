@@ -44,6 +44,7 @@ from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch,
 from .config import ModelConfig
 from .data import ByteTokenizer, answer_accuracy, build_source
 from .attention import current_attention_kernel
+from .memory import check_static, check_training_memory
 from .model import CEDModel
 from .runlock import DirectoryLocked, directory_lock
 from .train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig
@@ -611,6 +612,9 @@ def _build_model_and_data(cfg: TrainConfig, accelerator):
     from accelerate.utils import set_seed
     t = cfg.train
     set_seed(t.seed)
+    # memory before allocation: the parameter-sized state from the config before the model
+    # exists; the activations (a one-row probe of the built model) once the data is known good
+    check_static(cfg, accelerator.device)
     model = CEDModel(cfg.model)
     try:
         train_source = build_source(cfg.data, "train")
@@ -622,6 +626,7 @@ def _build_model_and_data(cfg: TrainConfig, accelerator):
     if cfg.model.vocab_size < 259:
         raise ConfigError(f"model.vocab_size: the byte tokenizer needs >= 259; got "
                           f"{cfg.model.vocab_size}")
+    check_training_memory(cfg, model, accelerator.num_processes, accelerator.device)
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2),
                                   eps=o.eps)

@@ -25,6 +25,7 @@ from ced.data import build_source
 from ced.train import (CONFIG_YAML, FINAL, NOT_FINISHED, Stopped, TrainingDiverged, _flat,
                        _override_key, _resume_hint, check_resumable, train)
 from ced.train_config import ConfigError, TrainConfig, validate
+from ced.memory import advice, is_out_of_memory, oom_summary
 from ced.writable import OutputDirError, check_hydra_output
 
 from . import check_override_keys
@@ -64,6 +65,15 @@ def _hydra_task(cfg) -> float | None:
             raise
         _fail(f"training stopped: no space left on the device ({exc.filename or run_dir}); "
               f"{_resume_hint(run_dir)}", NOT_FINISHED)
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        # beyond the estimate (another process took memory, or the estimate fell short):
+        # the same advice as a refusal, and nothing written but the checkpoints before it
+        what = oom_summary(exc)
+        keys = advice(config.train, None) if "config" in locals() else "lower train.batch_size"
+        _fail(f"training stopped: out of memory ({what}); {keys}; {_resume_hint(run_dir)}",
+              NOT_FINISHED)
     finally:
         if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
             shutil.rmtree(hydra_cfg.runtime.output_dir, ignore_errors=True)

@@ -155,6 +155,12 @@ class SyntheticSource(_RowSource):
             if placed == self.examples_per_row:    # None: as many as fit
                 break
         else:
+            if ids:     # every draw fitted: the row is longer than a thousand examples
+                raise ValueError(
+                    f"train.seq_len={seq_len}: longer than the tasks fill ({len(ids)} tokens "
+                    f"after {placed} examples, a row draws at most 1000); lower train.seq_len "
+                    f"to at most {len(ids)}, or make {self.key}.tasks' examples longer (their "
+                    "length/filler params)")
             raise ValueError(f"{self.key}.tasks: no example fits seq_len={seq_len} in 1000 draws")
         input_ids = torch.tensor(ids + [_TOK.pad] * (seq_len - len(ids)), dtype=torch.long)
         return input_ids, _next_token_labels(input_ids, _TOK.pad), mask, fams

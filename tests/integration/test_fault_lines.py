@@ -157,3 +157,105 @@ def test_every_entry_point_refuses_an_output_directory_it_cannot_write(
     line = one_line(done.stderr)
     prefix = "study error: " if tool == "experiments.run" else "error: "
     assert line == f"{prefix}{name}: {_reason(path, unwritable[kind])}{SUFFIX}", line
+
+
+# ---- memory before allocation -------------------------------------------------------------------
+
+def test_a_batch_that_cannot_fit_is_refused_before_any_step_naming_grad_accum(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run("ced.train", *TINY, "train.batch_size=40000", f"hydra.run.dir={run_dir}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = one_line(done.stderr)
+    assert line.startswith("config error: train.batch_size=40000, train.seq_len=128: training "
+                           "needs about "), line
+    assert " available (" in line and "set train.grad_accum=" in line, line
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_model_too_large_to_build_is_refused_before_it_is_built(tmp_path):
+    done = run("ced.train", *TINY, "model.d_model=65536", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = one_line(done.stderr)
+    assert line.startswith("config error: model: weights, gradients and AdamW state need "
+                           "about "), line
+    assert "parameters x 16 bytes), more than the " in line
+    assert line.endswith("lower model.d_model, model.n_encoder_layers, model.n_decoder_layers "
+                         "or model.d_ff"), line
+
+
+def test_a_row_longer_than_the_tasks_fill_says_so(tmp_path):
+    done = run("ced.train", *TINY, "train.seq_len=100000", "model.max_seq_len=100000",
+               "train.batch_size=1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = one_line(done.stderr)
+    assert line.startswith("config error: train.seq_len=100000: longer than the tasks fill ("), \
+        line
+    assert "lower train.seq_len to at most " in line
+
+
+OOM_RUN = """
+import sys
+import ced.train
+ced.train.check_training_memory = lambda *a, **k: None   # an estimate that fell short
+from ced.cli.train import main
+sys.argv = ["ced.train", *sys.argv[1:]]
+main()
+"""
+
+
+def test_an_out_of_memory_that_still_happens_ends_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-c", OOM_RUN, *TINY, "train.batch_size=512",
+            f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(["bash", "-c", 'ulimit -v 2000000; exec "$@"', "oom", *args],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 75, done.stderr[-2000:]
+    line = one_line(done.stderr)
+    assert line.startswith("training stopped: out of memory (could not allocate "), line
+    assert "; lower train.batch_size, train.seq_len, model.d_model" in line
+    assert line.endswith(f"train.resume=auto hydra.run.dir={run_dir}"), line
+
+
+CALIBRATE = """
+import ctypes, gc, json, sys, tempfile
+from pathlib import Path
+from ced import CEDModel
+from ced.cli.train import compose_config
+from ced.memory import Estimate, activation_bytes, evaluation_bytes, static_bytes
+import ced.train as trainer
+
+def status(field):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+                if l.startswith(field))
+
+for shape in json.loads(sys.argv[1]):
+    cfg = compose_config(shape)
+    t = cfg.train
+    estimate = Estimate(static_bytes(cfg.model),
+                        activation_bytes(CEDModel(cfg.model), t.batch_size, t.seq_len),
+                        evaluation_bytes(cfg.model, t.batch_size, t.seq_len))
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    open("/proc/self/clear_refs", "w").write("5")      # VmHWM := VmRSS
+    before = status("VmRSS")
+    with tempfile.TemporaryDirectory() as d:
+        trainer.train(cfg, Path(d) / "run")
+    print(json.dumps({"estimate": estimate.total, "measured": status("VmHWM") - before}))
+"""
+
+
+def test_the_memory_estimate_is_within_its_tolerance_of_the_measured_peak():
+    from ced.memory import TOLERANCE
+    one_step = [*TINY, "train.steps=1", "train.eval_every=1", "train.save_every=1000"]
+    shapes = [[*one_step, "train.batch_size=64"],                      # small: fixed costs
+              [*one_step, "model.d_model=64", "train.batch_size=32"],   # wider
+              [*one_step, "model.d_model=64", "model.max_seq_len=512", "train.seq_len=512",
+               "train.batch_size=8"]]                                     # longer rows
+    done = subprocess.run([sys.executable, "-c", CALIBRATE, json.dumps(shapes)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 3
+    for shape, r in zip(shapes, results):
+        error = r["estimate"] / r["measured"] - 1
+        assert abs(error) <= TOLERANCE, (shape[len(one_step):], r, error)
