@@ -270,7 +270,9 @@ def config_changes(cfg: TrainConfig, run_dir: Path) -> dict[str, list]:
                if old.get(key) != new.get(key)
                and not any(key == h or (h.endswith(".") and key.startswith(h))
                            for h in HOW_NOT_WHAT)}
-    allowed = list(cfg.train.allow_config_change)
+    # train.extend_to is itself the request to change what the run computes: allowed, and
+    # recorded like any allowed change
+    allowed = list(cfg.train.allow_config_change) + ["train.extend_to"]
     refused = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
     if refused:
         shown = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused[:4])
@@ -555,15 +557,15 @@ def _train(cfg: TrainConfig, run_dir: Path, accelerator, signals: _Signals | Non
     run = _Run(cfg, run_dir, accelerator, model, optimizer, train_source, val_source,
                per_micro, per_rank, _load_resume_state(accelerator, plan, run_dir))
     _prepare_run_dir(run, plan)
-    progress = _Progress(t.steps, plan.start_step,
+    progress = _Progress(t.last_step, plan.start_step,
                          enabled=t.progress and accelerator.is_main_process)
     last: dict = {}
     model.train()
-    for step in range(plan.start_step, t.steps):
+    for step in range(plan.start_step, t.last_step):
         last = _train_step(run, step)
         _record_step(run, step, last, progress)
         received = _broadcast(accelerator, signals.received if signals else None)
-        if received and step + 1 < t.steps:
+        if received and step + 1 < t.last_step:
             progress.close()
             _stop_on_signal(run, step + 1, received)
     progress.close()
@@ -685,11 +687,12 @@ def _prepare_run_dir(run: _Run, plan: RunPlan) -> None:
             handle.write(json.dumps(record) + "\n")
         run.trainer_state.setdefault("config_changes", []).append(record)
         print(f"warning: resuming at step {plan.start_step} with changed config (allowed by "
-              f"train.allow_config_change): " + ", ".join(
+              f"train.allow_config_change or train.extend_to): " + ", ".join(
                   f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in plan.changes.items())
               + f"; recorded in {run_dir / CONFIG_CHANGES}", file=sys.stderr)
     _write_config(run_dir / CONFIG_YAML, cfg)
     _state_replay_simulation(run)
+    _state_extension(run)
     run.metrics_file.write_text("".join(line + "\n" for line in plan.metrics))
     if plan.resume_from is not None:
         print(f"resumed from {plan.resume_from} at step {plan.start_step}")
@@ -710,6 +713,18 @@ def _state_replay_simulation(run: _Run) -> None:
     print(f"replay simulation: train.replay.length {said} (W = {model.window}), probability "
           f"{sim.probability}", flush=True)
     run.trainer_state["replay_simulation"] = {"length": str(sim.length), "N": n}
+
+
+def _state_extension(run: _Run) -> None:
+    """train.extend_to: say what it does to the learning rate, since a run extended by raising
+    train.steps instead would jump up the recomputed cosine."""
+    t, o = run.cfg.train, run.cfg.optim
+    if t.extend_to is None:
+        return
+    print(f"train.extend_to={t.extend_to}: steps {t.steps + 1}-{t.extend_to} run at the "
+          f"schedule's final learning rate {o.lr * o.min_lr_ratio:.3g} (optim.min_lr_ratio "
+          f"{o.min_lr_ratio} x optim.lr {o.lr:.3g}); the warm-up and cosine decay keep "
+          f"spanning steps 1-{t.steps}, so the rate does not jump", flush=True)
 
 
 # ---- one step ----------------------------------------------------------------------------------
@@ -820,7 +835,7 @@ def _record_step(run: _Run, step: int, last: dict, progress: _Progress) -> None:
     metrics.jsonl and wandb, show progress, and save a checkpoint (weights checked finite
     first) when due."""
     cfg, accelerator, t = run.cfg, run.accelerator, run.cfg.train
-    if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+    if (step + 1) % t.eval_every == 0 or step + 1 == t.last_step:
         last.update(evaluate(run.model, run.val_source, cfg, accelerator))
     if accelerator.is_main_process:
         with open(run.metrics_file, "a") as handle:
@@ -828,7 +843,7 @@ def _record_step(run: _Run, step: int, last: dict, progress: _Progress) -> None:
         if cfg.logging.wandb:
             accelerator.log({k: v for k, v in last.items() if k != "step"}, step=step + 1)
     progress.update(last)
-    if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
+    if (step + 1) % t.save_every == 0 or step + 1 == t.last_step:
         check_finite(accelerator, run.model, run.optimizer, step + 1, run.run_dir)
         save_checkpoint(accelerator, run.model, run.run_dir, step + 1, t.keep_last,
                         run.trainer_state)
@@ -850,7 +865,7 @@ def _stop_on_signal(run: _Run, step: int, received: str) -> None:
         if received == "SIGTERM" and hasattr(tracker, "mark_preempting"):
             tracker.mark_preempting()
         tracker.finish(exit_code=code)    # a stopped run is not "finished" on the dashboard
-    raise Stopped(f"training stopped by {received} at step {step} of {t.steps}; "
+    raise Stopped(f"training stopped by {received} at step {step} of {t.last_step}; "
                   f"{_resume_hint(run.run_dir)}", code)
 
 
@@ -864,7 +879,7 @@ def _finish_run(run: _Run, last: dict) -> None:
             from .tracking import log_model_artifact
             log_model_artifact(accelerator.get_tracker("wandb", unwrap=True),
                                run.run_dir / "final",
-                               metadata={"step": cfg.train.steps,
+                               metadata={"step": cfg.train.last_step,
                                          **{k: v for k, v in last.items()
                                             if k.startswith("val/")}})
     accelerator.wait_for_everyone()

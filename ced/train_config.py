@@ -157,6 +157,17 @@ class TrainLoopConfig:
     # Keys a resume may change (e.g. [train.steps, data.only]); any other key that changes
     # what the run computes is refused at resume. Recorded in the run's config.yaml.
     allow_config_change: List[str] = field(default_factory=list)
+    # Train on past `steps` to this step at the schedule's final learning rate (min_lr_ratio x
+    # lr): the warm-up and cosine decay keep spanning `steps`, so continuing a finished run
+    # (train.resume=auto train.extend_to=N) has no jump in the learning rate, which raising
+    # train.steps would give (the cosine recomputed over the new total). null: stop at
+    # `steps`. Not in conf/train/default.yaml, so configs that do not set it compose as before.
+    extend_to: Optional[int] = None
+
+    @property
+    def last_step(self) -> int:
+        """The step the run trains to: `extend_to`, or `steps`."""
+        return self.extend_to if self.extend_to is not None else self.steps
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every",
@@ -187,6 +198,10 @@ class TrainLoopConfig:
         _require(isinstance(self.signal_exit_code, int) and 1 <= self.signal_exit_code <= 255,
                  "train.signal_exit_code", "must be an exit code in [1, 255]",
                  self.signal_exit_code)
+        _require(self.extend_to is None or (isinstance(self.extend_to, int)
+                                            and self.extend_to > self.steps),
+                 "train.extend_to", f"must be null or an int > train.steps ({self.steps}), "
+                 f"the step the schedule ends at", self.extend_to)
         _require(not (self.overwrite and self.resume == "auto"), "train.overwrite",
                  "true discards the checkpoints train.resume=auto would continue from; use one "
                  "or the other", self.overwrite)

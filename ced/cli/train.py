@@ -148,14 +148,17 @@ def check_overrides(overrides: list[str]) -> None:
     check_override_keys(overrides, TrainConfig(), groups=GROUPS, also=("experiment",))
 
 
-FREE_FORM = ("data.tasks.",)
+# `train.extend_to` is a TrainConfig key conf/train/default.yaml leaves out, so that every
+# config that does not set it composes exactly as before (tests/unit/golden_configs.json)
+FREE_FORM = ("data.tasks.", "train.extend_to=")
 
 
 def free_form_overrides(overrides: list[str]) -> list[str]:
     """`data.tasks.<name>...=v` -> `++data.tasks.<name>...=v`. conf/data/synthetic.yaml leaves
     `tasks` empty so that every registered task is trained, and Hydra's struct mode refuses a
     plain override of a key it does not hold; `++` adds or overrides, so the documented
-    `data.tasks.needle=null` and `data.tasks.copy.span_len=2` keep working."""
+    `data.tasks.needle=null` and `data.tasks.copy.span_len=2` keep working. The same for
+    `train.extend_to`, which the yaml leaves out."""
     return [f"++{item}" if item.startswith(FREE_FORM) and "=" in item else item
             for item in overrides]
 

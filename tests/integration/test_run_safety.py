@@ -190,6 +190,31 @@ def test_resume_auto_on_a_directory_without_a_run_starts_nothing(tmp_path):
         "config error: train.resume=auto: nothing to resume without hydra.run.dir=<run>")
 
 
+def test_extend_to_continues_a_finished_run_at_the_schedules_final_learning_rate(base_run,
+                                                                                 tmp_path):
+    """train.extend_to=6 on a finished 4-step run: steps 5-6 at min_lr_ratio x lr (the cosine
+    keeps spanning steps 1-4, so the rate does not jump up as a raised train.steps would make
+    it), said in a line, and recorded as a config change."""
+    run = copy_run(base_run, tmp_path)
+    before = metrics(run)
+    done = run_train(run, *STEPS4, "train.resume=auto", "train.extend_to=6")
+    assert ("train.extend_to=6: steps 5-6 run at the schedule's final learning rate 0.0003 "
+            "(optim.min_lr_ratio 0.1 x optim.lr 0.003); the warm-up and cosine decay keep "
+            "spanning steps 1-4, so the rate does not jump") in done.stdout
+    after = metrics(run)
+    assert after[:4] == before and [m["step"] for m in after] == [1, 2, 3, 4, 5, 6]
+    assert [m["lr"] for m in after[4:]] == pytest.approx([3e-4, 3e-4])
+    assert after[3]["lr"] >= 3e-4
+    [change] = [json.loads(line) for line in (run / "config_changes.jsonl").read_text()
+                .splitlines()]
+    assert change["step"] == 4 and change["changed"] == {"train.extend_to": [None, 6]}
+    assert "extend_to: 6" in (run / "config.yaml").read_text()
+    # a value that ends before the schedule does is refused, naming the key
+    with pytest.raises(ConfigError, match=r"^train.extend_to: must be null or an int > "
+                                          r"train.steps \(4\)"):
+        config("train.steps=4", "++train.extend_to=3")
+
+
 def test_overwrite_cannot_be_combined_with_resume_auto():
     with pytest.raises(ConfigError, match=r"^train.overwrite: true discards the checkpoints"):
         config("train.overwrite=true", "train.resume=auto")
