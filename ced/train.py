@@ -25,9 +25,7 @@ import math
 import os
 import random
 import shutil
-import signal
 import sys
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -47,6 +45,7 @@ from .attention import current_attention_kernel
 from .memory import check_static, check_training_memory
 from .model import CEDModel
 from .runlock import DirectoryLocked, directory_lock
+from .signals import StopSignals
 from .train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig
 
 CHECKPOINTS = "checkpoints"
@@ -480,34 +479,13 @@ class Stopped(RuntimeError):
         self.code = code
 
 
-class _Signals:
+class _Signals(StopSignals):
     """SIGTERM (what SLURM and Kubernetes send before a kill) and SIGINT (Ctrl-C) set a flag
     that the loop reads at the next step boundary, where it saves a checkpoint and stops
     (`train.signal_checkpoint`; false: the signals keep their default effect). A second SIGINT
-    interrupts at once. Outside the main thread (signals cannot be caught there) it does
-    nothing."""
+    interrupts at once (`ced.signals.StopSignals`)."""
 
-    NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.received, self.previous = enabled, None, {}
-
-    def __enter__(self) -> "_Signals":
-        if self.enabled and threading.current_thread() is threading.main_thread():
-            for sig in self.NAMES:
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt       # the second Ctrl-C: stop now
-        self.received = self.NAMES.get(signum, str(signum))
-        print(f"\n{self.received} received: saving a checkpoint at the end of this step, "
-              f"then stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+    DOING = "saving a checkpoint at the end of this step"
 
 
 def _reset_accelerate() -> None:

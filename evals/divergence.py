@@ -39,6 +39,7 @@ from ced.config import default_hidden_tail, describe_replays, state_replay
 from ced.tracking import checkpoint_label
 from ced.data import build_source
 from ced.records import write_json
+from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import OutputDirError, check_hydra_output, check_output_dir
 
 from .modes import Mode, mode_generate, mode_logits, parse_mode
@@ -280,6 +281,7 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
                                  f"max_seq_len {cfg.max_seq_len}")
             prompts = load_prompts(c, length, checkpoint)
             for b0 in range(0, len(prompts), c.batch_size):
+                stop_point()        # a SIGTERM/SIGINT stops here, before anything is written
                 batch = prompts[b0:b0 + c.batch_size]
                 context, continuation = batch[:, :length], batch[:, length:]
                 # The reference is the engine's full prefill, which the tests hold equal to the
@@ -401,7 +403,11 @@ def _hydra_task(cfg) -> None:
     out_dir = Path(config.out_dir or HydraConfig.get().runtime.output_dir)
     try:
         check_output_dir(out_dir, "out_dir")
-        run(config, out_dir)
+        with StopSignals():
+            run(config, out_dir)
+    except Interrupted as exc:
+        fail(f"evals.divergence {exc} at a batch boundary; nothing was written to {out_dir}; "
+             f"to continue, run again: {continue_command()}", exc.code)
     except CheckpointError as exc:
         fail(f"error: {exc}", 2)
     except ValueError as exc:

@@ -67,6 +67,7 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.config import describe_replays, parse_replay_form, replay_length, state_replay
 from ced.data.tokenizer import ByteTokenizer
 from ced.records import write_json
+from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import check_output_dir
 
 from .cli import option
@@ -175,6 +176,7 @@ def score(model, rows: Rows, period: int, passes: int, batch_size: int = 8) -> d
                                                 "kl", "nll_exact", "nll_replay")}
     offsets = sorted({round(p * period / passes) for p in range(passes)})
     for b0 in range(0, rows.ids.shape[0], batch_size):
+        stop_point()        # a SIGTERM/SIGINT stops here, before anything is written
         ids = rows.ids[b0:b0 + batch_size]
         targets = next_tokens(ids)
         lp_exact = torch.log_softmax(model(ids).double(), -1)
@@ -346,6 +348,7 @@ def exact_nll(model, rows: Rows, batch_size: int = 8) -> np.ndarray:
     """NLL of every scored byte under the full forward, in the order of `rows.scored`."""
     out = []
     for b0 in range(0, rows.ids.shape[0], batch_size):
+        stop_point()        # a SIGTERM/SIGINT stops here, before anything is written
         ids = rows.ids[b0:b0 + batch_size]
         lp = torch.log_softmax(model(ids).double(), -1)
         out.append(nll_of(lp, next_tokens(ids))[rows.scored[b0:b0 + batch_size]])
@@ -771,8 +774,14 @@ def main(argv: list[str] | None = None) -> int:
         check_output_dir(config.out, "--out")      # before any checkpoint is read
         return run(config)
 
-    return list_written("real_text", checked_run,
-                        errors=(ValueError, CheckpointError, FileNotFoundError))
+    try:
+        with StopSignals():
+            return list_written("real_text", checked_run,
+                                errors=(ValueError, CheckpointError, FileNotFoundError))
+    except Interrupted as exc:
+        print(f"evals.real_text {exc} at a batch boundary; nothing was written to "
+              f"{config.out}; to continue, run again: {continue_command()}", file=sys.stderr)
+        return exc.code
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ def _real_text() -> tuple[type, Callable[[Any], Any]]:
 
 JOBS: dict[str, Callable[[], tuple[type, Callable[[Any], Any]]]] = {
     "suite": _suite, "divergence": _divergence, "real_text": _real_text}
+# the tools whose batch loops stop at a SIGTERM/SIGINT (`ced.signals.stop_point`); the others
+# keep the signals' default effect
+STOPS_BETWEEN_BATCHES = ("divergence", "real_text")
 
 
 def load_job(kind: str, raw: dict) -> tuple[Any, Callable[[Any], Any]]:
@@ -78,7 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) == 3:
         import torch
         torch.set_num_threads(int(argv[2]))
-    run(config)
+    from ced.signals import Interrupted, StopSignals, continue_command
+    try:
+        with StopSignals(enabled=argv[0] in STOPS_BETWEEN_BATCHES):
+            run(config)
+    except Interrupted as exc:
+        print(f"{argv[0]} {exc} at a batch boundary; nothing was written as finished; to "
+              f"continue, run again: {continue_command()}", file=sys.stderr)
+        return exc.code
     return 0
 
 

@@ -53,6 +53,7 @@ from typing import Any, List, Optional
 
 from ced.presets import known_studies
 from ced.records import DamagedRecord, read_json, set_aside, write_json
+from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 
 from .study import (REAL_TEXT_READING, STUDY_DIR, StudyConfig, StudyError, config_hash,
                     load_study, normalise_overrides)
@@ -61,6 +62,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "conf")
 TAIL_BYTES = 4000
 STAMP = "study_step.json"
+# exit codes of a step stopped with everything kept (75: SIGTERM or a full disk; 130: SIGINT;
+# negative: killed by SIGTERM/SIGINT before it could handle them): recorded as interrupted
+INTERRUPTED_CODES = (75, 130, -15, -2)
 # Overrides that say how or where a run goes, not what it trains: not part of its config hash.
 BOOKKEEPING = ("train.threads", "train.resume", "train.progress", "logging", "logging.",
                "hydra.")
@@ -366,15 +370,20 @@ class Study:
                 banner(f"warning: {key} ran {_describe_source(source)}, but this study started "
                        f"at {_describe_source(started)}: the checkout changed while it ran "
                        "(run long studies from a checkout nobody edits: docs/studies.md)")
+        if state == "failed" and info.get("returncode") in INTERRUPTED_CODES:
+            state = "interrupted"       # stopped by a signal (or a full disk), not failed
         # which invocation (index into summary.json's invocations) set this entry
         self.status[key] = {"state": state, **info, "invocation": len(self.invocations)}
         self.write_summary()
+        stop_point()      # a SIGTERM/SIGINT to the driver stops it here, between steps
 
     def failed(self, earlier: bool | None = None) -> list[str]:
-        """Steps whose entry is failed or refused; earlier=False: only those this invocation
-        set, True: only those an earlier invocation set and this one did not redo."""
+        """Steps whose entry is failed, refused or interrupted; earlier=False: only those this
+        invocation set, True: only those an earlier invocation set and this one did not
+        redo."""
         now = len(self.invocations)
-        return [k for k, v in self.status.items() if v["state"] in ("failed", "refused")
+        return [k for k, v in self.status.items()
+                if v["state"] in ("failed", "refused", "interrupted")
                 and (earlier is None or (v.get("invocation", -1) != now) == earlier)]
 
     def write_summary(self) -> None:
@@ -910,10 +919,22 @@ def run_study(opts: DriverConfig) -> int:
         raise StudyError(str(exc)) from None
     from ced.runlock import DirectoryLocked, directory_lock
     try:
-        with directory_lock(out, "study"):
+        with directory_lock(out, "study"), _DriverSignals():
             return _run_study(opts, spec, out)
     except DirectoryLocked as exc:
         raise StudyError(str(exc)) from None
+    except Interrupted as exc:
+        print(f"study {spec.name} {exc} between steps; the running step is recorded as "
+              f"interrupted in {out / 'summary.json'}; to continue, run again: "
+              f"{continue_command()}", file=sys.stderr, flush=True)
+        sys.exit(exc.code)
+
+
+class _DriverSignals(StopSignals):
+    """The driver stops between steps; the step that runs gets the signal too (the same
+    process group) and stops at its own boundary."""
+
+    DOING = "stopping when the running step ends"
 
 
 def earlier_record(out: Path) -> tuple[dict[str, dict], list[dict]]:

@@ -10,6 +10,7 @@ else the case is a path under a regular file, which no user can write either.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import uuid
@@ -259,3 +260,66 @@ def test_the_memory_estimate_is_within_its_tolerance_of_the_measured_peak():
     for shape, r in zip(shapes, results):
         error = r["estimate"] / r["measured"] - 1
         assert abs(error) <= TOLERANCE, (shape[len(one_step):], r, error)
+
+
+# ---- pre-emption during evaluation ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory) -> Path:
+    """A small ced model with random weights (evaluation reads it as any checkpoint)."""
+    from conftest import make_model, tiny_config
+
+    from ced.checkpoint import save_model
+    return save_model(make_model(tiny_config("ced", vocab_size=259), 0),
+                      tmp_path_factory.mktemp("model") / "final")
+
+
+def _stop_after_first_batch(command: list[str], sig: int) -> subprocess.CompletedProcess:
+    """Run `command`, send `sig` once it reports its first batch, and wait for it."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if "prompts 0-0" in line:
+            break
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(command, proc.returncode, "".join(out) + stdout, stderr)
+
+
+DIVERGENCE = ["replays=[1]", "lengths=[120]", "steps=2", "greedy_steps=2", "prompts.count=64",
+              "batch_size=1", "bootstrap=10", "wandb.enabled=false", "layer_errors=false"]
+
+
+def test_a_sigterm_stops_divergence_at_the_next_batch_with_the_command_to_continue(
+        random_checkpoint, tmp_path):
+    out = tmp_path / "div"
+    args = [f"checkpoints=[{random_checkpoint}]", *DIVERGENCE, f"hydra.run.dir={out}"]
+    done = _stop_after_first_batch([sys.executable, "-m", "evals.divergence", *args],
+                                   signal.SIGTERM)
+    assert done.returncode == 75, done.stderr[-2000:]
+    notice, line = [x for x in done.stderr.splitlines() if x.strip()]
+    assert notice == ("SIGTERM received: finishing this batch, then stopping (Ctrl-C again to "
+                      "stop at once)")
+    assert line == (f"evals.divergence stopped by SIGTERM at a batch boundary; nothing was "
+                    f"written to {out}; to continue, run again: python -m evals.divergence "
+                    + " ".join(f"'{a}'" if "[" in a else a for a in args))
+    assert not [p.name for p in out.iterdir() if p.name not in (".hydra", "divergence.log")]
+
+
+def test_a_sigint_stops_a_driver_job_at_the_next_batch(random_checkpoint, tmp_path):
+    out = tmp_path / "div"
+    config = tmp_path / "divergence.json"
+    config.write_text(json.dumps({"checkpoints": [str(random_checkpoint)], "replays": [1],
+                                  "lengths": [120], "steps": 2, "greedy_steps": 2,
+                                  "prompts": {"count": 64}, "batch_size": 1, "bootstrap": 10,
+                                  "wandb": {"enabled": False}, "layer_errors": False,
+                                  "out_dir": str(out)}))
+    done = _stop_after_first_batch(
+        [sys.executable, "-m", "experiments.job", "divergence", str(config), "1"], signal.SIGINT)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"divergence stopped by SIGINT at a batch boundary; nothing was written as finished; "
+        f"to continue, run again: python -m experiments.job divergence {config} 1")
+    assert not out.exists() or not (out / "summary.json").exists()
