@@ -165,14 +165,21 @@ def main(argv=None) -> int:
     p.add_argument("--no-generate", action="store_true", help="skip the *_gen tasks")
     args = p.parse_args(argv)
     from ced.checkpoint import CheckpointError, load_config
-    from ced.config import parse_replay_form, replay_length
+    from ced.config import describe_replays, parse_replay_form, state_replay
     try:
         forms = [parse_replay_form(v, "--replay") for v in args.replay]
         cfg = load_config(args.checkpoint)
-        replays = [replay_length(cfg, form, name="--replay") for form in forms]
+        # as the suite runner reads them (ced.config.state_replay), so the tasks hold the
+        # suite's documents
+        stated = [state_replay(cfg, form, name="--replay") for form in forms]
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    replays = [s.n for s in stated]
+    print(f"replays: {describe_replays(stated)}")
+    for s in stated:
+        if s.warning("--replay"):
+            print(s.warning("--replay"), file=sys.stderr)
     settings = SuiteSettings.from_config(cfg, replays, args.turns,
                                          extra_distances=tuple(args.distances),
                                          max_length=args.max_length)

@@ -239,6 +239,15 @@ def test_lm_eval_output_carries_the_resolved_replay(checkpoint, tasks, capfd):
     assert "ced: warning: replay: 3W is 18 positions on this model, above R_exact = 11" in err
     res = run_lm_eval(checkpoint, task_dir, ["ced_recall"], limit=1, replay="W/4")
     assert res["config"]["ced_replay"] == "W/4 -> 1" and res["config"]["ced_mode"] == "replay=1"
+    # write-tasks reads the forms as the suite does, and says so
+    from evals.lmeval.tasks import main as write_tasks_main
+    out = task_dir.parent / "forms"
+    assert write_tasks_main(["--checkpoint", str(checkpoint), "--replay", "W/4", "3W", "--out",
+                             str(out), "--examples", "1", "--families", "recall",
+                             "--no-generate"]) == 0
+    shown = capfd.readouterr()
+    assert "replays: W/4 -> 1, 3W -> 11 (R_exact; 3W is 18)" in shown.out
+    assert "warning: --replay: 3W is 18 positions on this model" in shown.err
 
 
 def test_multiturn_policy_through_lm_eval(checkpoint, model, tasks):
