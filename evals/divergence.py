@@ -38,6 +38,7 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.config import default_hidden_tail, describe_replays, state_replay
 from ced.tracking import checkpoint_label
 from ced.data import build_source
+from ced.memory import is_out_of_memory, oom_summary
 from ced.records import write_json
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import OutputDirError, check_hydra_output, check_output_dir
@@ -412,6 +413,11 @@ def _hydra_task(cfg) -> None:
         fail(f"error: {exc}", 2)
     except ValueError as exc:
         fail(f"config error: {str(exc).splitlines()[0]}", 2)
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        fail(f"evals.divergence stopped: out of memory ({oom_summary(exc)}); nothing was "
+             f"written to {out_dir}; lower batch_size (prompts per batch) or lengths", 75)
 
 
 def main() -> None:

@@ -66,6 +66,7 @@ from ced import exact_replay_length
 from ced.checkpoint import CheckpointError, load_model
 from ced.config import describe_replays, parse_replay_form, replay_length, state_replay
 from ced.data.tokenizer import ByteTokenizer
+from ced.memory import is_out_of_memory, oom_summary
 from ced.records import write_json
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import check_output_dir
@@ -782,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evals.real_text {exc} at a batch boundary; nothing was written to "
               f"{config.out}; to continue, run again: {continue_command()}", file=sys.stderr)
         return exc.code
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        print(f"evals.real_text stopped: out of memory ({oom_summary(exc)}); nothing was "
+              f"written to {config.out}; lower --batch-size or --row-len", file=sys.stderr)
+        return 75
 
 
 if __name__ == "__main__":
