@@ -183,11 +183,9 @@ def test_resume_auto_on_a_directory_without_a_run_starts_nothing(tmp_path):
         train_in_process(empty, *STEPS4, "train.resume=auto")
     assert [p.name for p in empty.iterdir()] == [".hydra"]
     # without hydra.run.dir a run goes to a new dated directory: nothing there to resume
-    done = subprocess.run([sys.executable, "-m", "ced.train", *TINY, "train.resume=auto"],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert one_line(done.stderr).startswith(
-        "config error: train.resume=auto: nothing to resume without hydra.run.dir=<run>")
+    with pytest.raises(ConfigError, match=r"^train.resume=auto: nothing to resume without "
+                                          r"hydra.run.dir=<run>"):
+        trainer_cli.check_resume_target([*TINY, "train.resume=auto"])
 
 
 def test_extend_to_continues_a_finished_run_at_the_schedules_final_learning_rate(base_run,
