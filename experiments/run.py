@@ -300,20 +300,19 @@ def banner(text: str) -> None:
 
 # ---- the steps --------------------------------------------------------------------------------
 
-def _read_stamp(directory: Path) -> dict | None:
+def _read_stamp(directory: Path, repair: bool = True) -> dict | None:
     """The step record in `directory`, or None. A damaged one (torn, not JSON, no hash) is
-    named in one line and moved aside to `study_step.json.damaged-<UTC time>`: the step then
-    counts as unrecorded (a finished training run is refused, not retrained; an evaluation is
-    rerun)."""
+    named in one line and, with `repair`, moved aside to `study_step.json.damaged-<UTC
+    time>` (not for only=plan, which writes nothing, nor in another study's directory): the
+    step then counts as unrecorded (a finished training run is refused, not retrained; an
+    evaluation is rerun)."""
     path = directory / STAMP
     try:
-        stamp = read_json(path, set_aside_damaged=True)
+        stamp = read_json(path, set_aside_damaged=repair)
+        if stamp is not None and "hash" not in stamp:
+            raise DamagedRecord(path, "no hash in it", set_aside(path) if repair else None)
     except DamagedRecord as exc:
         print(f"[study] warning: {exc}; the step counts as unrecorded", flush=True)
-        return None
-    if stamp is not None and "hash" not in stamp:
-        print(f"[study] warning: {DamagedRecord(path, 'no hash in it', set_aside(path))}; the "
-              "step counts as unrecorded", flush=True)
         return None
     return stamp
 
@@ -340,6 +339,8 @@ class Study:
         self.reuse = [Path(p).resolve() for p in reuse or []]
         self.group, self.project, self.on_change = group or spec.name, project, on_change
         self.status: dict[str, dict] = {}
+        # whether damaged records found are set aside (False for only=plan: it writes nothing)
+        self.repair = True
         self._composed: dict[str, dict] | None = None    # composed_training's cache
         self.started = time.time()
         # every invocation of the driver on this directory: its command, commit and wall time
@@ -445,7 +446,7 @@ class Study:
         run_dir = self.run_dir(label)
         wanted = self.train_overrides(job_name, seed)
         digest = config_hash(wanted)
-        stamp = _read_stamp(run_dir)
+        stamp = _read_stamp(run_dir, self.repair)
         finished = (run_dir / "final" / "model.safetensors").exists()
         started = finished or (run_dir / "checkpoints").exists()
         if stamp is not None and stamp["hash"] == digest:
@@ -484,7 +485,7 @@ class Study:
         run would), or None."""
         for study in self.reuse:
             for stamp_path in sorted(study.glob(f"runs/*/seed*/{STAMP}")):
-                stamp = _read_stamp(stamp_path.parent)
+                stamp = _read_stamp(stamp_path.parent, repair=False)   # not our directory
                 if (stamp and stamp.get("hash") == digest
                         and (stamp_path.parent / "final" / "model.safetensors").exists()):
                     return stamp_path.parent
@@ -937,16 +938,21 @@ class _DriverSignals(StopSignals):
     DOING = "stopping when the running step ends"
 
 
-def earlier_record(out: Path) -> tuple[dict[str, dict], list[dict]]:
+def earlier_record(out: Path, repair: bool = True) -> tuple[dict[str, dict], list[dict]]:
     """(steps, invocations) of the study's summary.json, so that an invocation keeps the record
     of the steps it does not redo. A damaged summary.json is named in one line and moved aside
     (`summary.json.damaged-<UTC time>`, never overwritten); the steps are then rebuilt from
     their `study_step.json` records (`rebuild_steps`) and the line says what was rebuilt and
     what is lost (the earlier invocations, and failed or refused steps, which have no
-    record)."""
+    record). `repair=False` (only=plan, which writes nothing): the damage is named, the file
+    left where it is, and nothing rebuilt."""
     try:
-        record = read_json(out / "summary.json", set_aside_damaged=True)
+        record = read_json(out / "summary.json", set_aside_damaged=repair)
     except DamagedRecord as exc:
+        if not repair:
+            print(f"[study] warning: {exc}; a run of the driver sets it aside and rebuilds it",
+                  flush=True)
+            return {}, []
         steps = rebuild_steps(out)
         print(f"[study] warning: {exc}; rebuilt {len(steps)} finished step(s) from their "
               f"{STAMP} records; lost: the earlier invocations (commands, commits, wall "
@@ -998,7 +1004,8 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
                   project=opts.project, on_change=opts.on_change, reuse=opts.reuse,
                   jobs=opts.jobs)
     # keep the record of steps this invocation does not redo
-    study.status, study.invocations = earlier_record(out)
+    study.repair = opts.only != "plan"
+    study.status, study.invocations = earlier_record(out, repair=study.repair)
     per_job = {j.name: spec.seeds_of(j) for j in spec.jobs
                if study.jobs is None or j.name in study.jobs}
     seeds = (f"seeds {list(spec.seeds)}" if all(s == list(spec.seeds) for s in per_job.values())
