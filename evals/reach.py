@@ -194,26 +194,31 @@ def _palette() -> list[str]:
 
 
 def margin_figure(bins: pd.DataFrame) -> Figure | None:
-    """N*(d) - d against d per model (competent bins), one colour per job."""
+    """N*(d) - d against d on competent bins, one panel per family: each job's median over its
+    models as a line, every model as a faint point."""
     good = bins[bins["competent"]]
     if good.empty:
         return None
-    fig = Figure(figsize=(7, 4.2))
-    ax = fig.subplots()
+    families = [f for f in RUNNING if f in set(good["family"])] or sorted(set(good["family"]))
+    fig = Figure(figsize=(5.5 * len(families), 4.2))
+    axes = np.atleast_1d(fig.subplots(1, len(families), sharey=True))
     palette = _palette()
     colours = {job: palette[i % len(palette)]
                for i, job in enumerate(dict.fromkeys(good["job"]))}
-    for (job, seed, family), part in good.groupby(["job", "seed", "family"], sort=False):
-        style = "-" if family == RUNNING[0] else ":"
-        ax.plot(part["d"], part["margin"], style, marker="o", ms=3, alpha=0.7,
-                color=colours[job], label=f"{job}" if seed == good["seed"].min()
-                and family == RUNNING[0] else None)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("span start d (tokens before the answer)")
-    ax.set_ylabel("N*(d) - d")
-    ax.set_title("replay beyond the evidence that loses nothing (competent bins; "
-                 "solid count, dotted bracket)", fontsize=9)
-    ax.legend(fontsize=7)
+    for ax, family in zip(axes, families):
+        mine = good[good["family"] == family]
+        for job, part in mine.groupby("job", sort=False):
+            ax.scatter(part["d"], part["margin"], s=8, alpha=0.25, color=colours[job])
+            median = part.groupby("d")["margin"].median()
+            ax.plot(median.index, median.to_numpy(), marker="o", ms=3, color=colours[job],
+                    label=f"{job} ({part['seed'].nunique()} models)")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xlabel("span start d (tokens before the answer)")
+        ax.set_title(family, fontsize=9)
+    axes[0].set_ylabel("N*(d) - d (median over models; points: models)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("replay past the evidence that loses nothing, on competent bins", fontsize=9)
+    fig.tight_layout()
     return fig
 
 
