@@ -141,14 +141,20 @@ def test_training_refuses_a_run_directory_it_cannot_write(unwritable, case):
     assert one_line(done.stderr) == f"error: hydra.run.dir: {_reason(run_dir, where)}{SUFFIX}"
 
 
+SLOW = pytest.mark.slow     # 3 s of CPU each (pandas, torch); make test-slow
+
+
 @pytest.mark.parametrize("tool,args,name,kind", [
-    ("experiments.run", ["study=tiny", "wandb=false", "out={}"], "out", "read_only"),
+    pytest.param("experiments.run", ["study=tiny", "wandb=false", "out={}"], "out", "read_only",
+                 marks=SLOW),
     ("evals.divergence", ["checkpoints=[/nowhere]", "hydra.run.dir={}"], "hydra.run.dir",
      "file"),
-    ("evals.real_text", ["--checkpoint", "/nowhere", "--out", "{}"], "--out", "read_only"),
+    pytest.param("evals.real_text", ["--checkpoint", "/nowhere", "--out", "{}"], "--out",
+                 "read_only", marks=SLOW),
     ("evals.lmeval", ["--model", "ced", "--model_args", "checkpoint=/nowhere", "--tasks", "t",
-                      "--output_path", "{}"], "--output_path", "file"),
-    ("evals.findings", ["--study", "/nowhere", "--out", "{}"], "--out", "file"),
+                      "--output_path", "{}"], "--output_path", "read_only"),
+    pytest.param("evals.findings", ["--study", "/nowhere", "--out", "{}"], "--out", "file",
+                 marks=SLOW),
 ])
 def test_every_entry_point_refuses_an_output_directory_it_cannot_write(
         unwritable, tool, args, name, kind):
