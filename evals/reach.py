@@ -26,7 +26,10 @@ into the same --out), writes the trained model as the unit, one distance bin at 
                pooled pairs) and the model-level one (`evals.findings.model_level_columns`:
                a bootstrap over models and their documents), the failures beyond W with an
                exact Clopper-Pearson CI, recall and the influence share beyond W
-  margin.png   N*(d) - d against d, one line per model, coloured by job
+  steps.csv    job against job (each job against the next, and --compare pairs): the change
+               in the mean drop at N = W inside and beyond, with a bootstrap CI over models
+               and Welch's p (`job_steps`)
+  margin.png   N*(d) - d against d, each job's median over its models, one panel a family
   drop_at_W.png   the drop at N = W inside and beyond per job, models as points, with the
                model-level CI
   reach.md     the tables in Markdown, with the provenance and the prediction check of
@@ -187,6 +190,41 @@ def cell_table(paired: pd.DataFrame, models: pd.DataFrame, bins: pd.DataFrame,
     return pd.DataFrame(rows)
 
 
+def job_steps(models: pd.DataFrame, pairs: list[tuple[str, str]] | None = None,
+              resamples: int = 4000, seed: int = 0) -> pd.DataFrame:
+    """steps.csv: job against job, the trained model as the unit. For each pair (A, B) (by
+    default each job against the next, in the order of `models`): the difference B - A of the
+    mean drop at N = W over their models, inside and beyond the replay, with a 95% bootstrap
+    CI that resamples each job's models independently, and Welch's two-sided p."""
+    from scipy.stats import ttest_ind
+    jobs = list(dict.fromkeys(models["job"]))
+    pairs = pairs if pairs is not None else list(zip(jobs, jobs[1:]))
+    rng = np.random.default_rng(seed)
+    rows = []
+    for a, b in pairs:
+        missing = [j for j in (a, b) if j not in jobs]
+        if missing:
+            raise ValueError(f"compare: no job {', '.join(missing)}; jobs: {', '.join(jobs)}")
+        row = {"from": a, "to": b}
+        for side in ("inside", "beyond"):
+            x = models[models["job"] == a][f"drop_{side}"].dropna().to_numpy()
+            y = models[models["job"] == b][f"drop_{side}"].dropna().to_numpy()
+            row.update({f"models_{side}": f"{len(x)} + {len(y)}",
+                        f"change_{side}": float(y.mean() - x.mean()) if len(x) and len(y)
+                        else math.nan})
+            if len(x) and len(y):
+                boot = (rng.choice(y, (resamples, len(y))).mean(1)
+                        - rng.choice(x, (resamples, len(x))).mean(1))
+                row[f"ci_low_{side}"], row[f"ci_high_{side}"] = (
+                    float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975)))
+            else:
+                row[f"ci_low_{side}"] = row[f"ci_high_{side}"] = math.nan
+            row[f"welch_p_{side}"] = float(ttest_ind(y, x, equal_var=False).pvalue) \
+                if len(x) > 1 and len(y) > 1 and (x.std() > 0 or y.std() > 0) else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def _palette() -> list[str]:
     """The ten tab10 colours, one per job in order."""
     return [f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink",
@@ -262,7 +300,8 @@ def read_erf(path: Path | None) -> pd.DataFrame | None:
     return table[["job", "seed", "share_beyond_W"]]
 
 
-def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) -> dict:
+def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
+          compare: list[tuple[str, str]] | None = None) -> dict:
     """Every table and figure of the module doc into `out`; returns {name: path}."""
     written = findings.write_findings(study, out, alpha)
     results = findings.load_results(study)
@@ -274,18 +313,22 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
     bins = bin_table(paired, results, marks)
     models = model_table(paired, bins, results, marks, read_erf(erf))
     cells = cell_table(paired, models, bins, marks)
-    for name, table in (("bins", bins), ("models", models), ("cells", cells)):
+    steps = job_steps(models)
+    if compare:
+        steps = pd.concat([steps, job_steps(models, compare)], ignore_index=True)
+    for name, table in (("bins", bins), ("models", models), ("cells", cells), ("steps", steps)):
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
     for name, figure in (("margin", margin_figure(bins)), ("drop_at_W", drop_figure(models, cells))):
         if figure is not None:
             written[name] = plots.save(figure, out / f"{name}.png", dpi=110)
     written["reach"] = out / "reach.md"
-    written["reach"].write_text(_markdown(cells, models, findings.provenance(study)))
+    written["reach"].write_text(_markdown(cells, models, steps, findings.provenance(study)))
     return written
 
 
-def _markdown(cells: pd.DataFrame, models: pd.DataFrame, info: dict) -> str:
+def _markdown(cells: pd.DataFrame, models: pd.DataFrame, steps: pd.DataFrame,
+              info: dict) -> str:
     lines = ["# Reach: where each model reads its evidence, and what replay keeps it", "",
              "Drops at N = W on competent bins (full >= 0.9 per bin), inside (d <= W) and "
              "beyond (d > W) the replay; example CI Agresti-Min, model CI the bootstrap over "
@@ -300,7 +343,10 @@ def _markdown(cells: pd.DataFrame, models: pd.DataFrame, info: dict) -> str:
              findings._markdown(models, [c for c in (
                  "job", "seed", "N_star", "largest_competent_d", "horizon", "competent_bins",
                  "drop_inside", "drop_beyond", "fails_beyond", "recall_full", "share_beyond_W")
-                 if c in models]), "", "## Provenance", ""]
+                 if c in models]), "",
+             "## Job against job (models as the unit; bootstrap CI over models, Welch p)", "",
+             findings._markdown(steps, list(steps.columns)) if not steps.empty else "(one job)\n",
+             "", "## Provenance", ""]
     return "\n".join(lines + findings._provenance_markdown(info))
 
 
@@ -315,11 +361,20 @@ def main(argv: list[str] | None = None) -> int:
         "an evals.erf output directory or an archived erf_shares.csv (the share of decoder "
         "influence beyond W per model)"))
     parser.add_argument("--alpha", type=float, default=0.05, help="significance level")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="A:B", help=(
+        "job pairs compared in steps.csv beside each job against the next, e.g. "
+        "R0_base:R0_shift0"))
     args = parser.parse_args(argv)
     erf = Path(args.erf) if args.erf else None
+    pairs = []
+    for item in args.compare:
+        a, sep, b = item.partition(":")
+        if not (sep and a and b):
+            parser.error(f"--compare: expected JOB_A:JOB_B, got {item!r}")
+        pairs.append((a, b))
     return findings.list_written("reach", lambda: write(Path(args.study), Path(args.out), erf,
-                                                        args.alpha), errors=(FileNotFoundError,
-                                                                             ValueError))
+                                                        args.alpha, pairs),
+                                 errors=(FileNotFoundError, ValueError))
 
 
 if __name__ == "__main__":

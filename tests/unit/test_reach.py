@@ -137,3 +137,23 @@ def test_bins_models_and_cells_on_a_fabricated_study(seed):
     assert cells.loc["window", "failed_beyond"] == 2 and cells.loc["global", "failed_beyond"] == 0
     assert cells.loc["global", "seed_ci_low_beyond"] == cells.loc["global", "seed_ci_high_beyond"] == 0
     assert cells.loc["window", "ci_low_beyond"] <= -0.95
+
+
+def test_job_steps_difference_and_its_interval():
+    models = pd.DataFrame({"job": ["a"] * 4 + ["b"] * 4 + ["c"] * 4,
+                           "drop_inside": [0.0] * 12,
+                           "drop_beyond": [0.0, -0.01, 0.01, 0.0, -0.5, -0.4, -0.6, -0.5,
+                                           -0.5, -0.45, -0.55, -0.5]})
+    steps = reach.job_steps(models).set_index(["from", "to"])
+    assert list(steps.index) == [("a", "b"), ("b", "c")]
+    ab = steps.loc[("a", "b")]
+    assert ab["change_beyond"] == pytest.approx(-0.5)
+    assert ab["ci_low_beyond"] < -0.5 < ab["ci_high_beyond"] < -0.3
+    assert ab["welch_p_beyond"] < 0.01 and ab["models_beyond"] == "4 + 4"
+    bc = steps.loc[("b", "c")]
+    assert bc["ci_low_beyond"] < 0 < bc["ci_high_beyond"] and bc["welch_p_beyond"] > 0.5
+    assert ab["change_inside"] == 0 and math.isnan(ab["welch_p_inside"])
+    extra = reach.job_steps(models, [("a", "c")])
+    assert extra["change_beyond"].iloc[0] == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="no job z"):
+        reach.job_steps(models, [("a", "z")])
