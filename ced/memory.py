@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .train_config import ConfigError
 
@@ -93,8 +92,9 @@ def _saved_bytes(model, length: int) -> int:
     # the probe draws random numbers (ids, any dropout): the run's own stream must not move
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(ids)
-            F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+            # the loss's float copy and log-softmax of the logits, as cross-entropy saves them
+            # (called as a tensor method: the probe leaves F.cross_entropy's callers alone)
+            model(ids).float().log_softmax(-1)
     model.train(was_training)
     return sum(seen.values())
 
