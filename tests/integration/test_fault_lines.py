@@ -331,3 +331,22 @@ def test_a_sigint_stops_a_driver_job_at_the_next_batch(random_checkpoint, tmp_pa
         f"divergence stopped by SIGINT at a batch boundary; nothing was written as finished; "
         f"to continue, run again: python -m experiments.job divergence {config} 1")
     assert not out.exists() or not (out / "summary.json").exists()
+
+
+def test_the_driver_records_a_stopped_step_as_interrupted_and_stops_on_its_own_signal(tmp_path):
+    from ced.signals import Interrupted, StopSignals
+    from experiments.run import Study
+    from experiments.study import load_study
+    study = Study(load_study("tiny", "demo"), tmp_path, threads=1, wandb=False)
+    study.record("suite/ced/seed0", "failed", returncode=75, tail="stopped by SIGTERM")
+    study.record("train/ced/seed0", "failed", returncode=1, tail="Traceback")
+    steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert steps["suite/ced/seed0"]["state"] == "interrupted"
+    assert steps["train/ced/seed0"]["state"] == "failed"
+    with StopSignals(enabled=False) as signals:      # as if the driver got a SIGTERM
+        signals.received = "SIGTERM"
+        with pytest.raises(Interrupted) as stopped:
+            study.record("divergence", "failed", returncode=75)
+    assert stopped.value.code == 75
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"]["divergence"][
+        "state"] == "interrupted"                     # recorded before it stops
