@@ -235,17 +235,7 @@ def load_prompts(c: DivergenceConfig, length: int,
 
 def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
     """Compute every row of the tidy table (and write the outputs); returns the rows."""
-    if not c.checkpoints:
-        raise ValueError("checkpoints: give at least one trained model directory (its final/)")
-    if c.dtype not in ("float64", "float32"):
-        raise ValueError(f"dtype: must be 'float64' or 'float32'; got {c.dtype!r}")
-    dtype = {"float64": torch.float64, "float32": torch.float32}[c.dtype]
-    if c.threads is not None:
-        if c.threads < 1:
-            raise ValueError(f"threads: must be null or an int >= 1; got {c.threads}")
-        torch.set_num_threads(c.threads)
-    for checkpoint in c.checkpoints:   # every one, before hours go into the first
-        modes_for(load_model(checkpoint).cfg, c)     # a bad replay form fails here too
+    dtype = _check_run(c)
     rows: list[dict] = []
     resolved: dict[str, dict] = {}     # per checkpoint, each replay form and its N
     for checkpoint in c.checkpoints:
@@ -253,17 +243,7 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
         cfg = model.cfg
         label = checkpoint_label(checkpoint)
         if cfg.has_decoder:
-            stated = stated_replays(cfg, c)
-            resolved[str(checkpoint)] = {
-                "W": cfg.window, "R_exact": exact_replay_length(cfg),
-                **{key: {s.form: s.n for s in values} for key, values in stated.items()}}
-            print(f"[divergence] {label}: W = {cfg.window}, R_exact = "
-                  f"{exact_replay_length(cfg)}; replays {describe_replays(stated['replays'])}; "
-                  f"encoder_replays {describe_replays(stated['encoder_replays'])}", flush=True)
-            for key, values in stated.items():
-                for s in values:
-                    if s.warning(key):
-                        print(f"[divergence] {label}: {s.warning(key)}", flush=True)
+            resolved[str(checkpoint)] = _state_replays(cfg, c, label)
         # The cached_hidden policy reads H_{L_e} of N - m prefix positions: keep enough.
         engine = InferenceEngine(model, hidden_tail=default_hidden_tail(
             cfg, [c.turn_replay or cfg.window,
@@ -283,36 +263,74 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
             prompts = load_prompts(c, length, checkpoint)
             for b0 in range(0, len(prompts), c.batch_size):
                 stop_point()        # a SIGTERM/SIGINT stops here, before anything is written
-                batch = prompts[b0:b0 + c.batch_size]
-                context, continuation = batch[:, :length], batch[:, length:]
-                # The reference is the engine's full prefill, which the tests hold equal to the
-                # parallel forward up to rounding: on the same kernels as the modes, a top-k
-                # near-tie that rounds differently between kernels cannot pass for replay error.
-                exact = mode_logits(engine, context, continuation, Mode("full"))
-                exact_greedy = mode_generate(engine, context, c.greedy_steps, Mode("full"))
-                for mode, n_replay in modes:
-                    print(f"[divergence] {label} T={length} prompts "
-                          f"{b0}-{b0 + len(batch) - 1} mode {mode.name}", flush=True)
-                    approx = mode_logits(engine, context, continuation, mode)
-                    metrics = distribution_metrics(exact, approx, continuation)
-                    greedy = first_disagreement(
-                        exact_greedy, mode_generate(engine, context, c.greedy_steps, mode))
-                    for i in range(len(batch)):
-                        common = {**base, "T": length, "prompt": b0 + i, "mode": mode.name,
-                                  "N": n_replay}
-                        for name, values in metrics.items():
-                            for step in range(values.shape[1]):
-                                rows.append({**common, "metric": name, "step": step,
-                                             "value": float(values[i, step])})
-                        rows.append({**common, "metric": "greedy_agree_tokens", "step": 0,
-                                     "value": float(greedy[i])})
-                    if c.layer_errors and mode.turn is None and mode.replay != "exact":
-                        for row in layer_errors(engine, context, n_replay):
-                            rows.append({**base, "T": length, "prompt": -1, "mode": mode.name,
-                                         "N": n_replay, "step": 0, **row})
+                rows += _batch_rows(c, engine, modes, prompts[b0:b0 + c.batch_size], length,
+                                    b0, {**base, "T": length}, label)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "replays.json").write_text(json.dumps(resolved, indent=1))
     write_outputs(c, rows, out_dir)
+    return rows
+
+
+def _check_run(c: DivergenceConfig) -> torch.dtype:
+    """The config's errors before any work (every checkpoint's replay forms included, before
+    hours go into the first); sets the thread count; returns the dtype."""
+    if not c.checkpoints:
+        raise ValueError("checkpoints: give at least one trained model directory (its final/)")
+    if c.dtype not in ("float64", "float32"):
+        raise ValueError(f"dtype: must be 'float64' or 'float32'; got {c.dtype!r}")
+    if c.threads is not None:
+        if c.threads < 1:
+            raise ValueError(f"threads: must be null or an int >= 1; got {c.threads}")
+        torch.set_num_threads(c.threads)
+    for checkpoint in c.checkpoints:
+        modes_for(load_model(checkpoint).cfg, c)     # a bad replay form fails here too
+    return {"float64": torch.float64, "float32": torch.float32}[c.dtype]
+
+
+def _state_replays(cfg, c: DivergenceConfig, label: str) -> dict:
+    """Print each replay form of the config beside the N it resolves to for this model (and
+    any warning that names R_exact); returns {W, R_exact, <key>: {form: N}} for replays.json."""
+    stated = stated_replays(cfg, c)
+    print(f"[divergence] {label}: W = {cfg.window}, R_exact = {exact_replay_length(cfg)}; "
+          f"replays {describe_replays(stated['replays'])}; "
+          f"encoder_replays {describe_replays(stated['encoder_replays'])}", flush=True)
+    for key, values in stated.items():
+        for s in values:
+            if s.warning(key):
+                print(f"[divergence] {label}: {s.warning(key)}", flush=True)
+    return {"W": cfg.window, "R_exact": exact_replay_length(cfg),
+            **{key: {s.form: s.n for s in values} for key, values in stated.items()}}
+
+
+def _batch_rows(c: DivergenceConfig, engine, modes, batch, length: int, b0: int, base: dict,
+                label: str) -> list[dict]:
+    """The tidy rows of one batch of prompts: every mode against the exact model."""
+    rows = []
+    context, continuation = batch[:, :length], batch[:, length:]
+    # The reference is the engine's full prefill, which the tests hold equal to the parallel
+    # forward up to rounding: on the same kernels as the modes, a top-k near-tie that rounds
+    # differently between kernels cannot pass for replay error.
+    exact = mode_logits(engine, context, continuation, Mode("full"))
+    exact_greedy = mode_generate(engine, context, c.greedy_steps, Mode("full"))
+    for mode, n_replay in modes:
+        print(f"[divergence] {label} T={length} prompts {b0}-{b0 + len(batch) - 1} "
+              f"mode {mode.name}", flush=True)
+        approx = mode_logits(engine, context, continuation, mode)
+        metrics = distribution_metrics(exact, approx, continuation)
+        greedy = first_disagreement(
+            exact_greedy, mode_generate(engine, context, c.greedy_steps, mode))
+        for i in range(len(batch)):
+            common = {**base, "prompt": b0 + i, "mode": mode.name, "N": n_replay}
+            for name, values in metrics.items():
+                for step in range(values.shape[1]):
+                    rows.append({**common, "metric": name, "step": step,
+                                 "value": float(values[i, step])})
+            rows.append({**common, "metric": "greedy_agree_tokens", "step": 0,
+                         "value": float(greedy[i])})
+        if c.layer_errors and mode.turn is None and mode.replay != "exact":
+            for row in layer_errors(engine, context, n_replay):
+                rows.append({**base, "prompt": -1, "mode": mode.name, "N": n_replay,
+                             "step": 0, **row})
     return rows
 
 

@@ -91,6 +91,27 @@ def build_mode(replay=None, turn=None, policy=None, encoder_replay=None, prefix_
     return ",".join(parts)
 
 
+def _positive_int(value, key: str) -> int:
+    """A model_args value that must be an int >= 1, or a ModelArgsError naming `key`."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1:
+        raise ModelArgsError(f"ced: model_args {key} must be an int >= 1; got {value!r}")
+    return number
+
+
+def _say_replay(cfg, written) -> str:
+    """Print the replay form as written beside the N it resolves to for `cfg` (and a warning
+    naming R_exact where it is capped); returns that statement."""
+    stated = state_replay(cfg, written, name="replay")
+    print(f"ced: replay {stated}", file=sys.stderr, flush=True)
+    if stated.warning():
+        print(f"ced: {stated.warning()}", file=sys.stderr, flush=True)
+    return str(stated)
+
+
 @register_model("ced")
 class CEDLM(LM):
     def __init__(self, checkpoint: str | None = None, replay=None, turn=None, policy=None,
@@ -104,13 +125,7 @@ class CEDLM(LM):
         if unused:
             raise ModelArgsError(f"ced: unknown model_args key(s) {sorted(unused)}; allowed: "
                                  f"{list(MODEL_ARGS)}")
-        try:
-            max_gen_toks = int(max_gen_toks)
-        except (TypeError, ValueError):
-            max_gen_toks = 0
-        if max_gen_toks < 1:
-            raise ModelArgsError(f"ced: model_args max_gen_toks must be an int >= 1; got "
-                                 f"{max_gen_toks!r}")
+        max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         # false: contexts that start mid-document (the code tasks) get no BOS, as training
         # rows that start mid-file had none; an empty context still gets one
         self.bos = _flag(bos, "bos")
@@ -145,13 +160,8 @@ class CEDLM(LM):
         self.mode_name = self.mode.name
         # the form as written beside the N that runs (lm-eval's own table shows only the
         # model_args string)
-        self.replay_said = None
-        if written is not None and self.mode.turn is None:
-            stated = state_replay(self.cfg, written, name="replay")
-            self.replay_said = str(stated)
-            print(f"ced: replay {stated}", file=sys.stderr, flush=True)
-            if stated.warning():
-                print(f"ced: {stated.warning()}", file=sys.stderr, flush=True)
+        self.replay_said = _say_replay(self.cfg, written) \
+            if written is not None and self.mode.turn is None else None
         # rolling windows start from a lone BOS: no turn to split off
         self.rolling_mode = parse_mode("full" if self.mode.replay is None
                                        else f"replay={self.mode.replay}")
