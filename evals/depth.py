@@ -15,6 +15,12 @@ the seed-pooled tables of `evals.findings` (which it runs first, into the same -
                    N* per model (median, min, max; as multiples of W and shares of R_exact)
   drop_at_W.csv    per job x family: the drop at N = W pooled over seeds, with its example-level
                    and seed-level CIs and the number of models (from capability_drop.csv)
+  arms_at_W.csv    per depth x family, replay simulation against none (at the depths that
+                   trained both arms): each arm's drop at
+                   N = W, the difference sim - no_sim with its example-level CI (paired by
+                   document) and model-level CI, Welch's p over the models and the model
+                   counts: the `drop` rows at N = W of evals.findings' arms.csv, which
+                   compares each depth's `no_sim` job with its `sim` job (`arm_pairs`)
   failure_vs_depth.png   the failure rate at N = W against L_d per arm, with its exact CI
   n_star_vs_depth.png    N*/W and N*/R_exact against L_d, one point per model
   mechanism.csv, mechanism.png   (with --erf: a DIR written by `python -m evals.erf` over the
@@ -110,6 +116,39 @@ def drop_at_w_table(capability: pd.DataFrame, marks: dict, traits: pd.DataFrame)
                "ci_high", "seed_ci_low", "seed_ci_high", "seed_ci_method", "seed_p",
                "per_seed_difference"]
     return table[[c for c in columns if c in table.columns]]
+
+
+def arm_pairs(traits: pd.DataFrame) -> list[tuple[str, str]]:
+    """(no_sim job, sim job) at each depth that trained both arms, for evals.findings'
+    job-against-job table (the two differ in more than one setting: the replay simulation's
+    probability and length)."""
+    if traits.empty:
+        return []
+    jobs = traits.drop_duplicates("job")
+    pairs = []
+    for _, part in jobs.groupby("L_d", sort=True):
+        arms = dict(zip(part["arm"], part["job"]))
+        if "no_sim" in arms and "sim" in arms:
+            pairs.append((arms["no_sim"], arms["sim"]))
+    return pairs
+
+
+def arm_test_table(arms: pd.DataFrame, marks: dict, traits: pd.DataFrame) -> pd.DataFrame:
+    """arms_at_W.csv (see module doc): the `drop` rows of arms.csv at N = W of each depth's
+    arm pair."""
+    pairs = set(arm_pairs(traits))
+    if arms.empty or not pairs:
+        return pd.DataFrame()
+    keep = [(a, b) in pairs and metric == "drop" and mode == _mode_at(marks.get(a, {}).get("W"))
+            for a, b, metric, mode in zip(arms["from"], arms["to"], arms["metric"], arms["mode"])]
+    table = arms[keep].rename(columns={"from": "no_sim", "to": "sim", "value_from": "drop_no_sim",
+                                       "value_to": "drop_sim"})
+    depths = traits.drop_duplicates("job").set_index("job")["L_d"]
+    table.insert(0, "L_d", table["no_sim"].map(depths))
+    columns = ["L_d", "no_sim", "sim", "family", "mode", "models_from", "models_to",
+               "drop_no_sim", "drop_sim", "difference", "ci_low", "ci_high", "seed_ci_low",
+               "seed_ci_high", "welch_p", "pairing"]
+    return table[columns].sort_values(["L_d", "family"], kind="stable").reset_index(drop=True)
 
 
 def erf_shares(erf_dir: Path) -> pd.DataFrame:
@@ -295,7 +334,8 @@ def mechanism_figure(table: pd.DataFrame) -> Figure | None:
 
 def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) -> dict:
     """evals.findings into `out`, then the depth tables and figures; returns the paths."""
-    written = findings.write_findings(study, out, alpha)
+    traits = findings.run_traits(study)
+    written = findings.write_findings(study, out, alpha, compare=arm_pairs(traits))
     if "n_star" not in written:
         raise FileNotFoundError(f"{study}: no per-model replay results (is it a depth study "
                                 f"with its suite step run?)")
@@ -303,12 +343,16 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
     drops = pd.read_csv(written["model_drops"])
     capability = pd.read_csv(written["capability_drop"], dtype={"x": str})
     marks = findings.geometry(study)
-    traits = findings.run_traits(study)
     depth = depth_table(n_star, drops)
     at_w = drop_at_w_table(capability, marks, traits)
+    arm_test = arm_test_table(pd.read_csv(written["arms"]) if "arms" in written
+                              else pd.DataFrame(), marks, traits)
     paths = {"depth": out / "depth.csv", "drop_at_W": out / "drop_at_W.csv"}
-    depth.to_csv(paths["depth"], index=False, float_format="%.6g")
-    at_w.to_csv(paths["drop_at_W"], index=False, float_format="%.6g")
+    if not arm_test.empty:
+        paths["arms_at_W"] = out / "arms_at_W.csv"
+    for name, table in (("depth", depth), ("drop_at_W", at_w), ("arms_at_W", arm_test)):
+        if name in paths:
+            table.to_csv(paths[name], index=False, float_format="%.6g")
     for name, figure in (("failure_vs_depth", failure_figure(depth)),
                          ("n_star_vs_depth", n_star_figure(n_star))):
         if figure is not None:
@@ -329,12 +373,14 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
         if figure is not None:
             paths["mechanism_png"] = plots.save(figure, out / "mechanism.png", title_room=True)
     paths["depth_md"] = out / "depth.md"
-    paths["depth_md"].write_text(_depth_markdown(depth, at_w, n_star, extrapolation, stats))
+    paths["depth_md"].write_text(_depth_markdown(depth, at_w, n_star, extrapolation, stats,
+                                                 arm_test))
     return paths
 
 
 def _depth_markdown(depth: pd.DataFrame, at_w: pd.DataFrame, n_star: pd.DataFrame,
-                    extrapolation: pd.DataFrame, stats: dict) -> str:
+                    extrapolation: pd.DataFrame, stats: dict,
+                    arm_test: pd.DataFrame) -> str:
     """depth.md: the tables of `write` under headings that say what they are."""
     md = ["# Bounded replay against decoder depth (python -m evals.depth)", "",
           "## Per job: failures at N = W (Clopper-Pearson 95% CI) and N*", "",
@@ -347,6 +393,10 @@ def _depth_markdown(depth: pd.DataFrame, at_w: pd.DataFrame, n_star: pd.DataFram
                                      "N_star_over_R_exact_median"]),
           "## The drop at N = W per family (pooled over seeds; example- and seed-level CIs)", "",
           findings._markdown(at_w, [c for c in at_w.columns if c != "per_seed_difference"]),
+          "## Replay simulation against none at each depth: the drop at N = W, sim - no_sim "
+          "(example-level CI paired by document; model-level CI and Welch p over the models)",
+          "", findings._markdown(arm_test, list(arm_test.columns)) if not arm_test.empty
+          else "(no depth with both arms)\n",
           "## N* per model", "",
           findings._markdown(n_star, ["job", "arm", "seed", "L_d", "R_exact", "N_star",
                                       "drop_at_W", "failed_at_W"])]

@@ -1,6 +1,7 @@
 """Seed-pooled statistics of a finished study, for FINDINGS.md: `python -m evals.findings`.
 
-    python -m evals.findings --study outputs/studies/replay_length --out findings/replay_length
+    python -m evals.findings --study outputs/studies/replay_length --out findings/replay_length \
+        [--compare sim_fixed_W:sim_uniform ...]
 
 Reads what the study driver wrote (`suite/<job>/seed<k>[@topk=K][@kv=SPEC]/results.csv`: one row per
 example and mode; `divergence/divergence.parquet`; `runs/<job>/seed<k>/final/config.json`) and
@@ -49,6 +50,16 @@ writes into --out:
   exact_violations.csv  modes that the contract makes exact (evals.modes.promises_exact) but
                         that changed answers against `full` (also printed as a warning); only
                         when there are any
+  arms.csv              job against job (`evals.arms`): for every two jobs whose training
+                        settings differ in one key (e.g. model.topk: 2 -> 4), and each
+                        --compare A:B pair, per family x mode x metric (accuracy, the drop
+                        against full, answer KL) pooled over distances: both jobs' values, the
+                        difference (to - from) with its example-level CI (paired by document
+                        where both read the same documents) and its model-level CI, Welch's p
+                        over the models, and the model counts; only when the study has such a
+                        pair
+  arms.png              the differences of arms.csv in accuracy and answer KL against N, with
+                        the model-level CI
   provenance.json       the study's commands, git commits and step times (summary.json)
   findings.md           the tables above in Markdown, for FINDINGS.md, headed by the
                         provenance
@@ -86,7 +97,7 @@ import pandas as pd
 
 from ced.records import DamagedRecord, read_json, write_json
 from ced.writable import OutputDirError, check_output_dir
-from evals import per_model, plots, predictions
+from evals import arms, per_model, plots, predictions
 from evals.suites.stats import (binomial_two_sided, crossed_bootstrap, hierarchical_bootstrap,
                                 holm, percentile_interval, seed_t_test, wilson_interval)
 
@@ -636,8 +647,10 @@ def _markdown(table: pd.DataFrame, columns: list[str], digits: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Path]:
-    """Compute every table and figure of the module doc for `study` into `out`."""
+def write_findings(study: Path, out: Path, alpha: float = 0.05,
+                   compare: list[tuple[str, str]] | None = None) -> dict[str, Path]:
+    """Compute every table and figure of the module doc for `study` into `out`; `compare`:
+    job pairs (from, to) for arms.csv beside those that differ in one setting."""
     out.mkdir(parents=True, exist_ok=True)
     results = load_results(study)
     marks = geometry(study)
@@ -647,7 +660,9 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
               "answer_kl": answer_kl_table(results),
               "override_drop": reference_drop_table(results, alpha),
               "needle_ids": needle_id_table(results, _load_needle_documents(study)),
-              **per_model_tables(results, study, marks, alpha)}
+              **per_model_tables(results, study, marks, alpha),
+              "arms": arms.arms_table(results, arms.job_pairs(
+                  study, list(results["job"].unique()), compare), marks)}
     tables["exact_violations"] = exact_mode_check(tables["capability_drop"], marks)
     for _, row in tables["exact_violations"].iterrows():
         print(f"[findings] WARNING: {row['job']} {row['family']} `{row['mode']}` is exact by "
@@ -655,7 +670,7 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05) -> dict[str, Pat
               f"answers against full (exact_violations.csv)", file=sys.stderr)
     written = {}
     optional = ("override_drop", "needle_ids", "model_drops", "failure_rate", "n_star",
-                "exact_violations")
+                "exact_violations", "arms")
     for name, table in tables.items():
         if name in optional and table.empty:
             continue
@@ -692,7 +707,8 @@ def check_prediction(info: dict, out: Path):
 
 
 def _write_figures(tables: dict, marks: dict, out: Path) -> dict[str, Path]:
-    """accuracy_vs_N.png and kl_vs_N.png (the drops only where the exact model is competent)."""
+    """accuracy_vs_N.png, kl_vs_N.png (the drops only where the exact model is competent) and,
+    with job pairs, arms.png."""
     accuracy, drops = tables["accuracy"], tables["capability_drop"]
     divergence, competence = tables["divergence"], tables["competence"]
     written = {}
@@ -708,6 +724,9 @@ def _write_figures(tables: dict, marks: dict, out: Path) -> dict[str, Path]:
     written["kl_vs_N"] = plots.save(plots.findings_divergence_figure(
         with_replay_length(kl, marks), with_replay_length(drop_points, marks), marks,
         answer_kl=with_replay_length(tables["answer_kl"], marks)), out / "kl_vs_N.png")
+    figure = plots.arms_figure(tables["arms"])
+    if figure is not None:
+        written["arms_png"] = plots.save(figure, out / "arms.png", title_room=True)
     return written
 
 
@@ -751,7 +770,7 @@ def _findings_markdown(study: Path, info: dict, marks: dict, tables: dict,
            "Every exact mode gave `full`'s answer on every example.\n" if violations.empty
            else "**Exact modes that changed answers** (a bug, or round-off at near-ties):\n\n"
            + _markdown(violations, ["job", "family", "mode", "n", "full_only", "mode_only"])]
-    md += _per_model_markdown(tables)
+    md += _per_model_markdown(tables) + _arms_markdown(tables["arms"])
     md += ["## KL(full || mode) at the answer (suite examples, teacher-forced; mean over "
            "examples and seeds, bootstrap 95% CI)", "",
            _markdown(tables["answer_kl"], ["job", "family", "mode", "seeds", "n", "mean",
@@ -763,6 +782,18 @@ def _findings_markdown(study: Path, info: dict, marks: dict, tables: dict,
                                             "ci_low", "ci_high", "seed_ci_low", "seed_ci_high",
                                             "per_seed"], 3)]
     return "\n".join(md)
+
+
+def _arms_markdown(table: pd.DataFrame) -> list[str]:
+    """The job-against-job section of findings.md (none without a pair of jobs)."""
+    if table.empty:
+        return []
+    return ["## Job against job (to - from, pooled over distances; example-level CI paired by "
+            "document where both jobs read the same ones, model-level CI and Welch p with the "
+            "models as the unit)", "",
+            _markdown(table, ["from", "to", "differs", "family", "mode", "metric", "models_from",
+                              "models_to", "value_from", "value_to", "difference", "ci_low",
+                              "ci_high", "seed_ci_low", "seed_ci_high", "welch_p", "pairing"])]
 
 
 def _per_model_markdown(tables: dict) -> list[str]:
@@ -827,6 +858,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--study", help="a study directory (outputs/studies/<name>)")
     p.add_argument("--out", help="output directory (e.g. findings/<name>)")
     p.add_argument("--alpha", type=float, default=0.05)
+    p.add_argument("--compare", nargs="*", default=[], metavar="FROM:TO",
+                   help="job pairs for arms.csv beside the jobs whose training settings differ "
+                        "in one key, e.g. no_sim:sim_fixed_W")
     p.add_argument("--seed-t", metavar="FINDINGS_DIR", type=Path,
                    help="instead: add seed-level t intervals to an existing findings directory "
                         "whose study directory is gone (writes <dir>/seed_level.csv)")
@@ -851,7 +885,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (study / "suite").is_dir():
         p.error(f"--study {study}: no suite/ or real_text/ directory (is it a study "
                 "directory?)")
-    return list_written("findings", lambda: write_findings(study, Path(args.out), args.alpha))
+    pairs = [tuple(item.split(":")) for item in args.compare]
+    bad = [item for item, pair in zip(args.compare, pairs) if len(pair) != 2 or not all(pair)]
+    if bad:
+        print(f"error: --compare: expected FROM:TO (two job names), got {bad[0]!r}",
+              file=sys.stderr)
+        return 2
+    return list_written("findings", lambda: write_findings(study, Path(args.out), args.alpha,
+                                                           pairs),
+                        errors=(FileNotFoundError, arms.CompareError))
 
 
 def list_written(tag: str, write, errors: tuple = (FileNotFoundError,)) -> int:

@@ -586,3 +586,42 @@ def real_text_class_figure(classes: pd.DataFrame) -> Figure | None:
         ax.set_ylabel("mean KL, nats (95% CI)")
         ax.legend(fontsize=7)
     return fig
+
+
+# ---- arms: job against job -------------------------------------------------------------------
+
+def arms_figure(arms: pd.DataFrame) -> Figure | None:
+    """evals.arms (arms.csv): job against job at each replay length N, the difference to - from
+    of the accuracy (left) and of the answer KL (right) with the model-level 95% CI, a line per
+    pair and family; `full`'s accuracy difference dashed at its level. None without rows."""
+    if arms is None or arms.empty:
+        return None
+    fig, axes = _grid(2, 5.0, 3.6)
+    lines = list(dict.fromkeys(zip(arms["from"], arms["to"], arms["family"])))
+    for ax, metric, label in ((axes[0], "accuracy", "accuracy, to - from"),
+                              (axes[1], "kl_answer", "KL(full || mode) at the answer, to - from")):
+        rows = arms[arms["metric"] == metric]
+        for i, (before, after, family) in enumerate(lines):
+            part = rows[(rows["from"] == before) & (rows["to"] == after)
+                        & (rows["family"] == family)]
+            color = f"C{i % 10}"
+            full = part[part["mode"] == FULL]
+            if not full.empty:
+                ax.axhline(float(full["difference"].iloc[0]), color=color, linestyle="--",
+                           linewidth=1)
+            part = part.dropna(subset=["N"]).sort_values("N")
+            if part.empty:
+                continue
+            ax.errorbar(part["N"] * (1 + 0.03 * i), part["difference"],
+                        yerr=[(part["difference"] - part["seed_ci_low"]).clip(lower=0),
+                              (part["seed_ci_high"] - part["difference"]).clip(lower=0)],
+                        marker="os^vD"[i % 5], color=color, capsize=2,
+                        label=f"{after} - {before}: {family}")
+            _log2_if_wide(ax, part["N"])
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set(xlabel="replay length N", ylabel=label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("job against job (arms.csv): bars, the model-level 95% CI; dashed: full",
+                 fontsize=9)
+    return fig

@@ -5,8 +5,10 @@ Wilson intervals, the exact McNemar test on paired outcomes, Holm's step-down ad
 (pure Python; tests/unit/test_stats.py checks them against scipy).
 
 Model level (the trained model, i.e. the training seed, as the unit): a hierarchical bootstrap
-(seeds, then examples within each drawn seed), a t interval over per-seed means, and the exact
-Clopper-Pearson interval of a rate such as "models that fail at N = W" (scipy).
+(seeds, then examples within each drawn seed), a crossed one (models and the documents they all
+read, drawn independently; for two jobs' models, `crossed_difference`), a t interval over
+per-seed means, Welch's test of two groups of models, and the exact Clopper-Pearson interval of
+a rate such as "models that fail at N = W" (scipy).
 """
 
 from __future__ import annotations
@@ -141,10 +143,47 @@ def crossed_bootstrap(matrix: np.ndarray, resamples: int = 2000, seed: int = 0,
         raise ValueError("matrix: every model must have a value for every item (no NaN)")
     n_models, n_items = matrix.shape
     rng = np.random.default_rng(seed)
-    w_models = rng.multinomial(n_models, np.full(n_models, 1 / n_models), size=resamples)
-    w_items = rng.multinomial(n_items, np.full(n_items, 1 / n_items), size=resamples)
+    w_models = _draws(rng, n_models, resamples)
+    return _mean_over_models(w_models, _draws(rng, n_items, resamples), matrix, counts)
+
+
+def _draws(rng: np.random.Generator, n: int, resamples: int) -> np.ndarray:
+    """Multiplicities of `resamples` draws of n things out of n with replacement, [resamples, n]."""
+    return rng.multinomial(n, np.full(n, 1 / n), size=resamples)
+
+
+def _mean_over_models(w_models: np.ndarray, w_items: np.ndarray, matrix: np.ndarray,
+                      counts: np.ndarray) -> np.ndarray:
+    """Per replicate, the mean over the drawn models of each model's mean over the drawn
+    items (a ratio of sums where `counts` are not all one)."""
     ratio = (w_items @ matrix.T) / np.maximum(w_items @ counts.T, 1e-300)   # [resamples, M]
-    return (w_models * ratio).sum(1) / n_models
+    return (w_models * ratio).sum(1) / matrix.shape[0]
+
+
+def crossed_difference(before: np.ndarray, after: np.ndarray, resamples: int = 2000,
+                       seed: int = 0) -> np.ndarray:
+    """Bootstrap distribution of a difference between two groups of models that read the same
+    items (two jobs' models on the same documents): mean over `after`'s models minus mean over
+    `before`'s, each model's value its mean over the items. `before` and `after` are
+    [models, items] matrices whose columns are the same items. Each replicate draws the items once, for
+    both (an item's effect shared by the two jobs is drawn as one, so it cancels as it does
+    in the estimate), and each group's models on their own (the models are two independent
+    samples). Returns the `resamples` replicate differences; an empty side gives an empty
+    array."""
+    before, after = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    if before.ndim != 2 or after.ndim != 2 or before.shape[1] != after.shape[1]:
+        raise ValueError(f"before, after: expected [models, items] with the same items; got "
+                         f"shapes {before.shape} and {after.shape}")
+    if before.size == 0 or after.size == 0 or resamples < 1:
+        return np.empty(0)
+    if np.isnan(before).any() or np.isnan(after).any():
+        raise ValueError("before, after: every model must have a value for every item (no NaN)")
+    rng = np.random.default_rng(seed)
+    w_items = _draws(rng, before.shape[1], resamples)
+    mean_after = _mean_over_models(_draws(rng, len(after), resamples), w_items, after,
+                                   np.ones_like(after))
+    return mean_after - _mean_over_models(_draws(rng, len(before), resamples), w_items, before,
+                                          np.ones_like(before))
 
 
 def percentile_interval(replicates: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
@@ -170,3 +209,26 @@ def seed_t_test(values: Sequence[float], confidence: float = 0.95) -> tuple[floa
     half = float(stats.t.ppf(0.5 + confidence / 2, values.size - 1)) * sd / math.sqrt(values.size)
     p = float(stats.ttest_1samp(values, 0.0).pvalue)
     return mean - half, mean + half, p
+
+
+def welch_p(before, after) -> float:
+    """Two-sided p of Welch's t test (unequal variances) that two groups of per-model values
+    share their mean, e.g. two jobs' models; NaN with fewer than two values a side or no
+    spread in either (up to round-off)."""
+    x, y = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    if len(x) < 2 or len(y) < 2:
+        return math.nan
+
+    def flat(v: np.ndarray) -> bool:
+        # means of identical values can differ in the last bits: that is no spread either
+        return bool(np.ptp(v) <= 1e-12 * max(1.0, float(np.abs(v).max())))
+    if flat(x) and flat(y):
+        return math.nan
+    import warnings
+
+    from scipy.stats import ttest_ind
+    with warnings.catch_warnings():
+        # a side whose values agree up to round-off makes scipy warn of precision loss in its
+        # variance; that variance is zero either way, and the test stands on the other side's
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(ttest_ind(y, x, equal_var=False).pvalue)

@@ -13,7 +13,7 @@ from evals.depth import extrapolation_table, main, mechanism_table
 from evals.suites.stats import clopper_pearson
 
 W = 8
-R_EXACT = {"L2_no_sim": 15, "L20_no_sim": 141}
+R_EXACT = {"L2_no_sim": 15, "L2_sim": 15, "L20_no_sim": 141}
 
 
 def write_model(study: Path, job: str, seed: int, losses: dict, n: int = 200) -> None:
@@ -34,9 +34,10 @@ def write_model(study: Path, job: str, seed: int, losses: dict, n: int = 200) ->
     run = study / "runs" / job / f"seed{seed}"
     run.mkdir(parents=True)
     layers = 2 if job.startswith("L2_") else 20
+    probability = 0.5 if job.endswith("_sim") and not job.endswith("no_sim") else 0.0
     (run / "config.yaml").write_text(
         f"model:\n  n_decoder_layers: {layers}\n  window: {W}\n  shift_tokens: 0\n"
-        f"train:\n  replay:\n    probability: 0.0\n    length: 8\n")
+        f"train:\n  replay:\n    probability: {probability}\n    length: 8\n")
 
 
 @pytest.fixture
@@ -46,6 +47,10 @@ def study(tmp_path) -> Path:
     for seed in (0, 1):
         write_model(root, "L2_no_sim", seed, {"replay=8": (0, 0.001), "replay=12": (0, 0.0),
                                                "replay=exact": (0, 0.0)})
+    # ... and with replay simulation, seed 0 loses 10 of 200 at N = W, seed 1 nothing
+    for seed, lost in ((0, 10), (1, 0)):
+        write_model(root, "L2_sim", seed, {"replay=8": (lost, 0.001), "replay=12": (0, 0.0),
+                                           "replay=exact": (0, 0.0)})
     # L_d = 20: seed 0 loses 20 of 200 at N = W (fails), recovers at 16; seed 1 loses 1 at
     # W (no failure) but its KL stays above 0.01 until 24
     write_model(root, "L20_no_sim", 0, {"replay=8": (20, 0.5), "replay=16": (0, 0.005),
@@ -70,7 +75,18 @@ def test_depth_report_counts_models_and_finds_n_star(study, tmp_path):
     star = pd.read_csv(out / "n_star.csv")
     assert list(star.columns[:9]) == ["job", "arm", "seed", "L_d", "W", "R_exact", "N_star",
                                       "drop_at_W", "failed_at_W"]
-    assert set(star["arm"]) == {"no_sim"}
+    assert set(star["arm"]) == {"no_sim", "sim"}
+    # the arm test: the job-against-job rows of evals.findings at N = W, sim - no_sim
+    arms = pd.read_csv(out / "arms_at_W.csv")
+    assert len(arms) == 1
+    test = arms.iloc[0]
+    assert (test["L_d"], test["no_sim"], test["sim"], test["mode"]) == (2, "L2_no_sim", "L2_sim",
+                                                                        "replay=8")
+    assert (test["drop_no_sim"], test["drop_sim"]) == pytest.approx((0.0, -10 / 400))
+    assert test["difference"] == pytest.approx(-10 / 400) and test["pairing"] == "paired"
+    assert (test["models_from"], test["models_to"]) == (2, 2)
+    assert test["seed_ci_low"] <= -0.05 + 1e-9 and test["seed_ci_high"] >= -1e-9
+    assert "Replay simulation against none at each depth" in (out / "depth.md").read_text()
     at_w = pd.read_csv(out / "drop_at_W.csv").set_index("job")
     row = at_w.loc["L20_no_sim"]
     assert row["difference"] == pytest.approx(-21 / 400) and row["seeds"] == 2
