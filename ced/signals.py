@@ -74,7 +74,9 @@ def continue_command() -> str:
     for the line an interrupted job prints."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    program = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
+    # `python -m pkg` runs pkg.__main__, and the user typed pkg
+    module = spec.name.removesuffix(".__main__") if spec is not None else None
+    program = f"python -m {module}" if module else f"python {sys.argv[0]}"
     return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 

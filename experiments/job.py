@@ -39,7 +39,7 @@ JOBS: dict[str, Callable[[], tuple[type, Callable[[Any], Any]]]] = {
     "suite": _suite, "divergence": _divergence, "real_text": _real_text}
 # the tools whose batch loops stop at a SIGTERM/SIGINT (`ced.signals.stop_point`); the others
 # keep the signals' default effect
-STOPS_BETWEEN_BATCHES = ("divergence", "real_text")
+STOPS_BETWEEN_BATCHES = ("suite", "divergence", "real_text")
 
 
 def load_job(kind: str, raw: dict) -> tuple[Any, Callable[[Any], Any]]:

@@ -23,6 +23,7 @@ def parse_args(argv=None):
     """The command line as a `SuiteConfig`, checked: an --out that holds a run (without
     --overwrite) and a malformed replay form are one-line errors with exit code 2."""
     from ced.config import parse_replay_form
+    from ced.writable import check_output_dir
     from evals.cli import build_parser, config_from_args
 
     from .runner import SuiteConfig, check_out
@@ -30,6 +31,7 @@ def parse_args(argv=None):
     config = config_from_args(SuiteConfig, build_parser(
         SuiteConfig, prog="python -m evals.suites", description=__doc__).parse_args(argv))
     try:
+        check_output_dir(config.out, "--out")
         check_out(config, "--out")
         config.replays = [parse_replay_form(v, "--replay") for v in config.replays]
         if config.sweep_replays is not None:
@@ -47,13 +49,20 @@ def main(argv=None) -> int:
 
     from .runner import format_table, run_suite
 
+    from ced.signals import Interrupted, StopSignals, continue_command
+
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        result = run_suite(config)
+        with StopSignals():
+            result = run_suite(config)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"evals.suites {exc} at a batch boundary; nothing was written as finished in "
+              f"{config.out}; to continue, run again: {continue_command()}", file=sys.stderr)
+        return exc.code
     if not config.quiet:
         print(format_table(result["summary"], result["tests"]))
         print(f"\n{result['seconds']:.1f}s; wrote " + ", ".join(

@@ -39,6 +39,8 @@ from ced.config import (default_hidden_tail, describe_replays, parse_replay_form
                         resolve_replay, state_replay)
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
+from ced.records import write_json
+from ced.signals import stop_point
 from evals.cli import option
 from evals.modes import Mode, mode_logits, parse_mode
 
@@ -130,6 +132,7 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
         modes = base_modes + (turn_modes if fam is None or fam.turn_modes else [])
         modes = [FULL] + [m for m in modes if m != FULL]    # full first: the reference
         for batch in _chunks(fam_docs, batch_size):
+            stop_point()        # a SIGTERM/SIGINT stops here, before anything is written
             ctx = torch.tensor([prompt_ids(d) for d in batch], device=device)
             tgt = torch.tensor([target_ids(d) for d in batch], device=device)
             reference = reference_logp = None
@@ -450,10 +453,10 @@ def _write_results(rows: list[dict], run_info: dict, out: Path, alpha: float) ->
         "paired_tests": write_csv(tests, out / "paired_tests.csv", DROP_FIELDS),
         "capability_drop": write_csv(drops, out / "capability_drop.csv", DROP_FIELDS),
     }
+    # written last and atomically: a study driver takes summary.json for "this run finished"
     paths["summary_json"] = out / "summary.json"
-    paths["summary_json"].write_text(json.dumps(
-        {"run": run_info, "summary": summary, "capability_drop": drops}, indent=1,
-        default=str))
+    write_json(paths["summary_json"], json.loads(json.dumps(
+        {"run": run_info, "summary": summary, "capability_drop": drops}, default=str)))
     return {"summary": summary, "drops": drops, "tests": tests, "paths": paths}
 
 

@@ -149,6 +149,8 @@ SLOW = pytest.mark.slow     # 3 s of CPU each (pandas, torch); make test-slow
                  marks=SLOW),
     ("evals.divergence", ["checkpoints=[/nowhere]", "hydra.run.dir={}"], "hydra.run.dir",
      "file"),
+    ("evals.suites", ["--checkpoint", "/nowhere", "--replay", "W", "--out", "{}"], "--out",
+     "file"),
     pytest.param("evals.real_text", ["--checkpoint", "/nowhere", "--out", "{}"], "--out",
                  "read_only", marks=SLOW),
     ("evals.lmeval", ["--model", "ced", "--model_args", "checkpoint=/nowhere", "--tasks", "t",
@@ -350,3 +352,33 @@ def test_the_driver_records_a_stopped_step_as_interrupted_and_stops_on_its_own_s
     assert stopped.value.code == 75
     assert json.loads((tmp_path / "summary.json").read_text())["steps"]["divergence"][
         "state"] == "interrupted"                     # recorded before it stops
+
+
+def test_a_sigterm_stops_the_suite_at_the_next_batch_and_a_rerun_finishes(
+        random_checkpoint, tmp_path):
+    """evals.suites stops between batches: exit 75, one line with the command to continue,
+    no results.csv or summary.json (what a driver takes for finished); the same command then
+    runs to the end without --overwrite."""
+    out = tmp_path / "suite"
+    args = ["--checkpoint", str(random_checkpoint), "--replay", "W", "--families", "recall",
+            "running_count", "--examples", "4", "--batch-size", "1", "--no-plot",
+            "--no-wandb", "--threads", "1", "--out", str(out)]
+    command = [sys.executable, "-m", "evals.suites", *args]
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:              # the first family's progress line: mid-run
+        seen.append(line)
+        if line.startswith("  recall:"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, "".join(seen) + stderr[-2000:]
+    assert stderr.splitlines()[-1] == (
+        f"evals.suites stopped by SIGTERM at a batch boundary; nothing was written as finished "
+        f"in {out}; to continue, run again: python -m evals.suites {' '.join(args)}")
+    assert not (out / "results.csv").exists() and not (out / "summary.json").exists()
+    again = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "summary.json").exists() and (out / "results.csv").exists()
