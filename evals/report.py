@@ -6,7 +6,8 @@ Reads `runs/<job>/seed<k>/metrics.jsonl` and `final/config.json` (runs are label
 `<job>/seed<k>`, so seeds stay apart; a `runs/<job>/` holding a run itself is labelled
 `<job>`), `divergence/summary.json`, `suite/<job>/seed<k>[@topk=K]/summary.json` and
 `results.csv` (capability drops are tested on examples paired within each seed and pooled over
-seeds, as in `evals.findings`), `summary.json` (the driver's step status) and
+seeds, as in `evals.findings`; jobs one training setting apart are compared with each other
+as in its arms.csv, `evals.arms`), `summary.json` (the driver's step status) and
 prices every inference mode with the analytic cost model (`ced.cost.prefill_flops`). Writes into
 `<study_dir>/report/`: PNG plots, `report.md` and `report.html` (self-contained: the PNGs are
 embedded as base64, it opens from disk). The same plots and tables go to a wandb run
@@ -416,7 +417,8 @@ overflow-x:auto;font-size:11px}.note{color:#555;font-size:13px}details{margin:.6
 summary{cursor:pointer;color:#333}"""
 
 # The tables written as <name>.csv beside the report.
-CSV_TABLES = ("training", "divergence", "accuracy", "seeds", "cost_quality", "capability_drop")
+CSV_TABLES = ("training", "divergence", "accuracy", "seeds", "cost_quality", "capability_drop",
+              "arms")
 
 # (title, text, table, plot section, collapsed in report.html), in the report's order after
 # the summary.
@@ -446,7 +448,17 @@ SECTIONS = [
      "its Agresti-Min 95% CI, exact McNemar p Holm-corrected over the distances of a family; "
      "x = all pools the distances), each seed's difference and p beside.", "capability_drop",
      None, False),
+    ("Arms compared", "Job against job (evals.arms, as arms.csv of evals.findings): every two "
+     "jobs whose training settings differ in one key, on the same modes and documents; per "
+     "family and mode (pooled over distances) the accuracy and the answer KL of each job and "
+     "the difference to - from, with its example-level 95% CI (paired by document where both "
+     "read the same ones) and its model-level CI (the models as the unit), Welch's p over the "
+     "models and the model counts. No such pair: none.", "arms", "arms", False),
 ]
+
+ARM_COLUMNS = ["from", "to", "differs", "family", "mode", "metric", "models_from", "models_to",
+               "value_from", "value_to", "difference", "ci_low", "ci_high", "seed_ci_low",
+               "seed_ci_high", "welch_p"]
 
 DROP_COLUMNS = ["job", "family", "x", "mode", "n", "acc_full", "acc_mode", "difference",
                 "ci_low", "ci_high", "p_holm", "per_seed_difference", "per_seed_p"]
@@ -467,6 +479,20 @@ def pooled_drops(study: Path) -> pd.DataFrame:
     return drops[drops["significant"]].reset_index(drop=True)
 
 
+def arm_comparisons(study: Path) -> pd.DataFrame:
+    """The study's job-against-job table (`evals.arms.arms_table` over the jobs one training
+    setting apart), its accuracy and answer-KL rows; empty without such a pair or a suite."""
+    from evals.arms import arms_table, job_pairs
+    from evals.findings import geometry, load_results
+    try:
+        results = load_results(Path(study))
+    except FileNotFoundError:
+        return pd.DataFrame()
+    table = arms_table(results, job_pairs(Path(study), list(results["job"].unique())),
+                       geometry(Path(study)))
+    return table[table["metric"].isin(["accuracy", "kl_answer"])].reset_index(drop=True)
+
+
 @dataclass
 class StudyData:
     """Everything the report reads from a study directory (see the module's docstring)."""
@@ -478,12 +504,13 @@ class StudyData:
     suite: pd.DataFrame
     drops: pd.DataFrame
     info: dict
+    arms: pd.DataFrame
 
     @classmethod
     def load(cls, study: Path) -> "StudyData":
         suite, _, info = load_suite(study)
         return cls(study, load_status(study), load_runs(study), load_divergence(study), suite,
-                   pooled_drops(study), info)
+                   pooled_drops(study), info, arm_comparisons(study))
 
     @property
     def steps(self) -> dict:
@@ -518,6 +545,7 @@ def report_tables(data: StudyData) -> dict[str, pd.DataFrame]:
         "cost_quality": cost_table(data.study, data.runs, data.suite, data.info),
         "capability_drop": drops[[c for c in DROP_COLUMNS if c in drops.columns]]
         if not drops.empty else drops,
+        "arms": data.arms[ARM_COLUMNS] if not data.arms.empty else data.arms,
     }
 
 
@@ -545,6 +573,9 @@ def report_plots(data: StudyData, tables: dict, out: Path) -> list[tuple[str, Pa
     figures.append(("frontier", P.frontier_figure(tables["cost_quality"]),
                     "cost_quality_frontier.png",
                     "Analytic prefill FLOPs of each mode against the suite's mean accuracy."))
+    figures.append(("arms", P.arms_figure(data.arms), "arms.png",
+                    "Job against job: the difference to - from in accuracy and in answer KL "
+                    "against N, with the model-level 95% CI; dashed: full."))
     return [(section, P.save(fig, out / name, dpi=90 if section == "accuracy" else 100,
                              title_room=section in ("accuracy", "summary", "divergence")),
              caption) for section, fig, name, caption in figures if fig is not None]
