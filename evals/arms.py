@@ -41,7 +41,7 @@ from pathlib import Path
 import pandas as pd
 
 from ced.records import DamagedRecord, read_json
-from evals.suites.stats import (crossed_bootstrap, crossed_difference, hierarchical_bootstrap,
+from evals.suites.stats import (bootstrap_means, crossed_difference, hierarchical_bootstrap,
                                 percentile_interval, welch_p)
 
 FULL = "full"
@@ -86,7 +86,7 @@ def _run_settings(run: Path) -> tuple[dict | None, dict | None]:
         overrides = {}
         for item in stamp["overrides"]:
             key, _, value = str(item).partition("=")
-            overrides[key.lstrip("+")] = value if not key.startswith("~") else "(deleted)"
+            overrides[key.lstrip("+~")] = "(deleted)" if key.startswith("~") else value
     if (run / "config.yaml").exists():
         from omegaconf import OmegaConf
         config = _flat(OmegaConf.to_container(OmegaConf.load(run / "config.yaml"),
@@ -196,13 +196,12 @@ def compare_values(before: pd.Series, after: pd.Series, resamples: int = RESAMPL
         a, b = before.unstack(level=1), after.unstack(level=1)
         b = b[a.columns]
         per_document = b.mean(axis=0).to_numpy() - a.mean(axis=0).to_numpy()
-        example = crossed_bootstrap(per_document[None, :], resamples, seed)
+        example = bootstrap_means(per_document, resamples, seed)
         model = crossed_difference(a.to_numpy(), b.to_numpy(), resamples, seed)
         row.update(pairing="paired", documents=a.shape[1], seed_ci_method="crossed")
     else:
-        example = (crossed_bootstrap(after.to_numpy(dtype=float)[None, :], resamples, seed)
-                   - crossed_bootstrap(before.to_numpy(dtype=float)[None, :], resamples,
-                                       seed + 1))
+        example = (bootstrap_means(after.to_numpy(dtype=float), resamples, seed)
+                   - bootstrap_means(before.to_numpy(dtype=float), resamples, seed + 1))
         model = (hierarchical_bootstrap(groups[1], resamples, seed)
                  - hierarchical_bootstrap(groups[0], resamples, seed + 1))
         row.update(pairing="unpaired", documents=math.nan, seed_ci_method="nested")

@@ -6,7 +6,7 @@ needed (the command-line tools run headless) and nothing is left open in pyplot'
 
 Used by `evals.divergence` (kl_vs_replay.png, top1_agree_vs_replay.png,
 layer_error_by_offset.png), `evals.suites.runner` (accuracy.png), `evals.report` (every plot of
-report.html), `evals.findings` (accuracy_vs_N.png, kl_vs_N.png), `evals.erf` (erf.png) and
+report.html), `evals.findings` (accuracy_vs_N.png, kl_vs_N.png, arms.png), `evals.erf` (erf.png) and
 notebooks/analysis.py.
 
     from evals import plots

@@ -152,6 +152,25 @@ def _draws(rng: np.random.Generator, n: int, resamples: int) -> np.ndarray:
     return rng.multinomial(n, np.full(n, 1 / n), size=resamples)
 
 
+def _index_draws(rng: np.random.Generator, n: int, resamples: int) -> np.ndarray:
+    """The same multiplicities as `_draws`, counted from uniform indices: one bincount instead
+    of a binomial per item and replicate, which is what a bootstrap over hundreds of
+    documents, thousands of times per table, can afford."""
+    picks = rng.integers(0, n, size=(resamples, n)) + n * np.arange(resamples)[:, None]
+    return np.bincount(picks.ravel(), minlength=resamples * n).reshape(resamples, n)
+
+
+def bootstrap_means(values: Sequence[float], resamples: int = 2000,
+                    seed: int = 0) -> np.ndarray:
+    """Bootstrap distribution of the mean of `values` drawn with replacement (the examples as
+    independent), shape [resamples]; empty values give an empty array."""
+    values = np.asarray(values, dtype=float)
+    if values.size == 0 or resamples < 1:
+        return np.empty(0)
+    rng = np.random.default_rng(seed)
+    return values[rng.integers(0, values.size, size=(resamples, values.size))].mean(axis=1)
+
+
 def _mean_over_models(w_models: np.ndarray, w_items: np.ndarray, matrix: np.ndarray,
                       counts: np.ndarray) -> np.ndarray:
     """Per replicate, the mean over the drawn models of each model's mean over the drawn
@@ -165,11 +184,11 @@ def crossed_difference(before: np.ndarray, after: np.ndarray, resamples: int = 2
     """Bootstrap distribution of a difference between two groups of models that read the same
     items (two jobs' models on the same documents): mean over `after`'s models minus mean over
     `before`'s, each model's value its mean over the items. `before` and `after` are
-    [models, items] matrices whose columns are the same items. Each replicate draws the items once, for
-    both (an item's effect shared by the two jobs is drawn as one, so it cancels as it does
-    in the estimate), and each group's models on their own (the models are two independent
-    samples). Returns the `resamples` replicate differences; an empty side gives an empty
-    array."""
+    [models, items] matrices whose columns are the same items. Each replicate draws the items
+    once, for both (an item's effect shared by the two jobs is drawn as one, so it cancels as
+    it does in the estimate), and each group's models on their own (the models are two
+    independent samples). Returns the `resamples` replicate differences; an empty side gives
+    an empty array."""
     before, after = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
     if before.ndim != 2 or after.ndim != 2 or before.shape[1] != after.shape[1]:
         raise ValueError(f"before, after: expected [models, items] with the same items; got "
@@ -179,7 +198,7 @@ def crossed_difference(before: np.ndarray, after: np.ndarray, resamples: int = 2
     if np.isnan(before).any() or np.isnan(after).any():
         raise ValueError("before, after: every model must have a value for every item (no NaN)")
     rng = np.random.default_rng(seed)
-    w_items = _draws(rng, before.shape[1], resamples)
+    w_items = _index_draws(rng, before.shape[1], resamples)
     mean_after = _mean_over_models(_draws(rng, len(after), resamples), w_items, after,
                                    np.ones_like(after))
     return mean_after - _mean_over_models(_draws(rng, len(before), resamples), w_items, before,
