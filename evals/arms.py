@@ -7,7 +7,7 @@ it for every pair of jobs the study compares:
 - by default every two jobs whose training settings differ in exactly one key (`job_settings`:
   the overrides the driver recorded in each run's study_step.json, else the runs' config.yaml),
   e.g. `model.topk: 2 -> 4`;
-- and any pair asked for by name (`evals.findings --compare A:B`; evals.depth asks for each
+- and any pair asked for by name (`evals.findings --compare FROM:TO`; evals.depth asks for each
   depth's `no_sim` against its `sim`, whose settings differ in two keys).
 
 For each pair (from, to), family and mode both jobs ran (pooled over the family's distances),

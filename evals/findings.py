@@ -52,7 +52,7 @@ writes into --out:
                         when there are any
   arms.csv              job against job (`evals.arms`): for every two jobs whose training
                         settings differ in one key (e.g. model.topk: 2 -> 4), and each
-                        --compare A:B pair, per family x mode x metric (accuracy, the drop
+                        --compare FROM:TO pair, per family x mode x metric (accuracy, the drop
                         against full, answer KL) pooled over distances: both jobs' values, the
                         difference (to - from) with its example-level CI (paired by document
                         where both read the same documents) and its model-level CI, Welch's p
