@@ -388,10 +388,13 @@ def run_suite(config: SuiteConfig) -> dict:
     model = load_checkpoint(c.checkpoint, topk=c.topk, dtype=c.dtype, device=c.device, kv=c.kv)
     out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
-    # replay forms (W, W/2, R_exact, ...) resolve against this checkpoint's own config, at
-    # most its R_exact (ced.config.state_replay); each is said with its N, and recorded
+    # replay forms (W, W/2, R_exact, ...) resolve against this checkpoint's own config; the
+    # modes run at most its R_exact (ced.config.state_replay: a longer replay computes what
+    # R_exact does), each said with its N and recorded, while the documents are placed around
+    # the forms' own lengths, so that every variant of a study reads the same documents (a
+    # yoco model, R_exact 1, included)
     stated = [state_replay(cfg, n, name="replays") for n in c.replays]
-    replays = [s.n for s in stated]
+    replays = [s.length for s in stated]
     for s in stated:
         if s.warning("--replay"):
             print(s.warning("--replay"), file=sys.stderr)
@@ -407,7 +410,7 @@ def run_suite(config: SuiteConfig) -> dict:
                                          span_grid=c.span_grid)
     docs = build_documents(settings, c.examples, c.families, seed_offset=c.seed_offset)
     write_jsonl(docs, out / "data")
-    base, turn = suite_modes(cfg, settings.replays, settings.turns)
+    base, turn = suite_modes(cfg, sorted({s.n for s in stated}), settings.turns)
     if not c.quiet:
         from .families import describe
         print(describe(settings), file=sys.stderr)
@@ -416,7 +419,7 @@ def run_suite(config: SuiteConfig) -> dict:
               f"{[f for f in FAMILIES if FAMILIES[f].turn_modes]}", file=sys.stderr)
     t0 = time.time()
     rows, warnings = evaluate_documents(model, docs, base, turn, batch_size=c.batch_size,
-                                        engine=make_engine(model, settings.replays),
+                                        engine=make_engine(model, [s.n for s in stated]),
                                         progress=not c.quiet)
     elapsed = time.time() - t0
     run_info = {

@@ -102,6 +102,10 @@ def test_suite_says_each_replay_form_with_its_n_and_caps_it_at_r_exact(checkpoin
     run = json.loads((out / "summary.json").read_text())["run"]
     assert run["replays"] == {"W/3": 2, "3W": 11}
     assert "replay=2" in run["modes"] and "replay=18" not in run["modes"]
+    # the documents are placed around the forms' own lengths (N - 1, N, N + 1 of 18), as on a
+    # model whose R_exact is longer, so that every model of a study reads the same documents
+    xs = {d["x"] for d in read_jsonl(out / "data" / "recall.jsonl")}
+    assert {17, 18, 19} <= xs
 
 
 def test_suite_cli_end_to_end(checkpoint, tmp_path):
