@@ -52,7 +52,7 @@ from matplotlib.figure import Figure
 
 from evals import findings, plots
 from evals.per_model import COMPETENT, FAIL_MIN_DROP, STAR_MAX_DROP
-from evals.suites.stats import binomial_two_sided, clopper_pearson
+from evals.suites.stats import binomial_two_sided, clopper_pearson, welch_p
 
 RUNNING = ("running_count", "running_bracket")
 RECALL = "recall"
@@ -196,7 +196,6 @@ def job_steps(models: pd.DataFrame, pairs: list[tuple[str, str]] | None = None,
     default each job against the next, in the order of `models`): the difference B - A of the
     mean drop at N = W over their models, inside and beyond the replay, with a 95% bootstrap
     CI that resamples each job's models independently, and Welch's two-sided p."""
-    from scipy.stats import ttest_ind
     jobs = list(dict.fromkeys(models["job"]))
     pairs = pairs if pairs is not None else list(zip(jobs, jobs[1:]))
     rng = np.random.default_rng(seed)
@@ -219,8 +218,7 @@ def job_steps(models: pd.DataFrame, pairs: list[tuple[str, str]] | None = None,
                     float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975)))
             else:
                 row[f"ci_low_{side}"] = row[f"ci_high_{side}"] = math.nan
-            row[f"welch_p_{side}"] = float(ttest_ind(y, x, equal_var=False).pvalue) \
-                if len(x) > 1 and len(y) > 1 and (x.std() > 0 or y.std() > 0) else math.nan
+            row[f"welch_p_{side}"] = welch_p(x, y)
         rows.append(row)
     return pd.DataFrame(rows)
 
