@@ -379,6 +379,19 @@ def check_out(config: SuiteConfig, name: str = "out") -> None:
                          f"choose another {name}, or set overwrite (--overwrite) to replace it")
 
 
+def _stated_replays(cfg, forms: list) -> list:
+    """Each replay form (W, W/2, R_exact, ...) resolved against this checkpoint's own config,
+    its warning printed where it is capped. The modes run at most R_exact (`s.n`,
+    ced.config.state_replay: a longer replay computes what R_exact does); the documents are
+    placed around the forms' own lengths (`s.length`), so that every variant of a study reads
+    the same documents (a yoco model, R_exact 1, included)."""
+    stated = [state_replay(cfg, n, name="replays") for n in forms]
+    for s in stated:
+        if s.warning("--replay"):
+            print(s.warning("--replay"), file=sys.stderr)
+    return stated
+
+
 def run_suite(config: SuiteConfig) -> dict:
     """The whole run; returns {"summary", "drops", "tests", "rows", "paths", "warnings",
     "settings", "seconds"}. Bad settings are a ValueError naming the field."""
@@ -388,16 +401,8 @@ def run_suite(config: SuiteConfig) -> dict:
     model = load_checkpoint(c.checkpoint, topk=c.topk, dtype=c.dtype, device=c.device, kv=c.kv)
     out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
-    # replay forms (W, W/2, R_exact, ...) resolve against this checkpoint's own config; the
-    # modes run at most its R_exact (ced.config.state_replay: a longer replay computes what
-    # R_exact does), each said with its N and recorded, while the documents are placed around
-    # the forms' own lengths, so that every variant of a study reads the same documents (a
-    # yoco model, R_exact 1, included)
-    stated = [state_replay(cfg, n, name="replays") for n in c.replays]
+    stated = _stated_replays(cfg, c.replays)
     replays = [s.length for s in stated]
-    for s in stated:
-        if s.warning("--replay"):
-            print(s.warning("--replay"), file=sys.stderr)
     sweep_replays = None if c.sweep_replays is None else [
         replay_length(cfg, parse_replay_form(n, "sweep_replays"), name="sweep_replays")
         for n in c.sweep_replays]
