@@ -4,8 +4,10 @@
                               [threads=2] [wandb=true] [group=G] [on_change=refuse|rerun]
                               [only=train|eval|report|plan]
 
-`only=plan` prints the resolved study and what would happen to every training run (skip,
-train, resume, refuse, rerun, reuse, and why) without running anything. `reuse=[DIR, ...]`
+`only=plan` prints the resolved study and what would happen to every step (each training
+run: skip, train, resume, refuse, rerun, reuse; each evaluation: skip, run, rerun; the
+report), and why, without running anything (`experiments.plan`); it exits 2 if a step would
+be refused. `reuse=[DIR, ...]`
 names other study directories: a run whose training hash (every training override and the
 seed) matches a finished run there is copied instead of retrained, so studies that share a
 job (replay_length's no_sim is variants' ced, topk's k16 and multi_turn's no_sim) train it
@@ -52,16 +54,19 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from ced.presets import known_studies
-from ced.records import DamagedRecord, read_json, set_aside, write_json
+from ced.records import DamagedRecord, read_json, write_json
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 
+from .freshness import STAMP, plain, step_decision
+from .freshness import read_stamp as _read_stamp
+from .plan import plan_study
 from .study import (REAL_TEXT_READING, STUDY_DIR, StudyConfig, StudyError, config_hash,
                     load_study, normalise_overrides)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "conf")
 TAIL_BYTES = 4000
-STAMP = "study_step.json"
+
 # exit codes of a step stopped with everything kept (75: SIGTERM or a full disk; 130: SIGINT;
 # negative: killed by SIGTERM/SIGINT before it could handle them): recorded as interrupted
 INTERRUPTED_CODES = (75, 130, -15, -2)
@@ -300,21 +305,11 @@ def banner(text: str) -> None:
 
 # ---- the steps --------------------------------------------------------------------------------
 
-def _read_stamp(directory: Path, repair: bool = True) -> dict | None:
-    """The step record in `directory`, or None. A damaged one (torn, not JSON, no hash) is
-    named in one line and, with `repair`, moved aside to `study_step.json.damaged-<UTC
-    time>` (not for only=plan, which writes nothing, nor in another study's directory): the
-    step then counts as unrecorded (a finished training run is refused, not retrained; an
-    evaluation is rerun)."""
-    path = directory / STAMP
-    try:
-        stamp = read_json(path, set_aside_damaged=repair)
-        if stamp is not None and "hash" not in stamp:
-            raise DamagedRecord(path, "no hash in it", set_aside(path) if repair else None)
-    except DamagedRecord as exc:
-        print(f"[study] warning: {exc}; the step counts as unrecorded", flush=True)
-        return None
-    return stamp
+def _step_record(step: dict, **extra: Any) -> dict:
+    """The record a finished evaluation step leaves in its directory: its hash, the inputs
+    the hash covers and what the study file wrote for it (so a rerun can name what changed)."""
+    return {"hash": step["hash"], "inputs": step["inputs"], "written": step.get("written"),
+            **extra}
 
 
 def _write_stamp(directory: Path, payload: dict) -> None:
@@ -552,23 +547,8 @@ class Study:
                              f"{len(errors)} job(s) with a bad config, listed above)")
 
     def plan(self) -> list[dict]:
-        """What `only=all` would do to every training run, without doing it; a job whose
-        config is refused says so (CONFIG ERROR) instead."""
-        rows = []
-        errors = self.config_errors()
-        for job_name, seed, label in self.runs():
-            if job_name in errors:
-                reason = f"config error: {errors[job_name]}"
-                rows.append({"run": label, "action": "config_error", "reason": reason})
-                print(f"[study] plan {label}: CONFIG ERROR - {reason}", flush=True)
-                continue
-            action, digest, reason = self.decide(job_name, seed, label)
-            source = self.reusable(digest) if action == "train" else None
-            if source is not None:
-                action, reason = "reuse", f"the same training run is done in {source}; copy it"
-            rows.append({"run": label, "action": action, "hash": digest, "reason": reason})
-            print(f"[study] plan {label}: {action.upper()} - {reason}", flush=True)
-        return rows
+        """What `only=all` would do, step by step, without doing it (`experiments.plan`)."""
+        return plan_study(self)
 
     def train(self) -> None:
         runs = self.runs()
@@ -655,32 +635,27 @@ class Study:
         with_decoder = [c for c in configs if c.has_decoder]
         return (with_decoder or configs or [None])[0]
 
-    def _fresh(self, label: str, out: Path, done_file: Path, digest: str) -> bool:
-        """True if `out` holds this step's outputs for inputs hashed `digest` (skip it);
-        says so, or says that the inputs changed and the step is rerun."""
-        stamp = _read_stamp(out)
-        if done_file.exists() and stamp is not None and stamp.get("hash") == digest:
-            print(f"[study] {label}: done before with the same inputs (hash {digest}), "
-                  f"skipped", flush=True)
-            return True
-        if done_file.exists():
-            old = stamp.get("hash") if stamp else "unknown"
-            print(f"[study] {label}: inputs changed (hash {old} -> {digest}: a checkpoint was "
-                  f"retrained or the settings changed); rerunning", flush=True)
-        return False
+    def _fresh(self, label: str, step: dict) -> bool:
+        """True if `step` (a prepared evaluation step) is done with these inputs (skip it);
+        says so, or says what changed and that the step is rerun (`step_decision`)."""
+        action, reason = step_decision(step, self.repair)
+        if action == "skip":
+            print(f"[study] {label}: {reason}, skipped", flush=True)
+        elif action == "rerun":
+            print(f"[study] {label}: {reason}; rerunning", flush=True)
+        return action == "skip"
 
     # divergence
-    def divergence(self) -> None:
-        spec, key = self.spec.divergence, "divergence"
-        if spec is None:
-            return
+    def _divergence_step(self) -> tuple[dict | None, str]:
+        """The divergence step as it would run now (out, done, hash, inputs, config), or None
+        and why there is none."""
+        spec = self.spec.divergence
         checkpoints = self.checkpoints(all_jobs=True)
         from ced.checkpoint import load_config
         usable = {label: (p, h) for label, (p, h) in checkpoints.items()
                   if load_config(p).has_decoder}
         if not usable:
-            self.record(key, "skipped", reason="no trained checkpoint with a decoder")
-            return
+            return None, "no trained checkpoint with a decoder"
         out = self.out / "divergence"
         config = dict(spec)
         # W forms and R_exact stay as written: evals.divergence resolves them per checkpoint
@@ -690,9 +665,23 @@ class Study:
         config["replays"] = [int(v) if isinstance(v, str) and v.strip().isdigit() else v
                              for v in written]
         config["checkpoints"] = sorted(str(p) for p, _ in usable.values())
-        digest = config_hash({"config": config,
-                              "trained": sorted(h for _, h in usable.values())})
-        if self._fresh("divergence", out, out / "summary.json", digest):
+        inputs = {"config": dict(config), "trained": sorted(h for _, h in usable.values())}
+        return {"key": "divergence", "out": out, "done": out / "summary.json",
+                "hash": config_hash(inputs), "inputs": inputs, "config": config,
+                "usable": usable}, ""
+
+    def divergence(self) -> None:
+        """`evals.divergence` over every trained checkpoint with a decoder, rerun when one of
+        them or a setting changes."""
+        key = "divergence"
+        if self.spec.divergence is None:
+            return
+        step, why = self._divergence_step()
+        if step is None:
+            self.record(key, "skipped", reason=why)
+            return
+        out, digest, config, usable = step["out"], step["hash"], step["config"], step["usable"]
+        if self._fresh("divergence", step):
             self.record(key, "skipped", out=str(out), hash=digest)
             return
         config["out_dir"] = str(out)
@@ -707,31 +696,40 @@ class Study:
                                   self.out / "logs" / "divergence.log")
         secs = round(time.time() - t0, 1)
         if code == 0 and (out / "summary.json").exists():
-            _write_stamp(out, {"hash": digest, "checkpoints": config["checkpoints"]})
+            _write_stamp(out, _step_record(step, checkpoints=config["checkpoints"]))
             self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
         else:
             print(f"[study] divergence: FAILED (exit {code}); continuing", flush=True)
             self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
 
     # real text
+    def _real_text_step(self) -> dict | None:
+        """The real-text step as it would run now, or None without a trained checkpoint."""
+        spec, checkpoints = self.spec.real_text, self.checkpoints(all_jobs=True)
+        if not checkpoints:
+            return None
+        out = self.out / "real_text"
+        settings = {name: getattr(spec, name) for name in REAL_TEXT_READING}
+        settings.update(replays=[str(v) for v in spec.replays],
+                        continuation=str(spec.continuation))
+        inputs = {"real_text": settings,
+                  "trained": sorted(h for _, h in checkpoints.values())}
+        return {"key": "real_text", "out": out, "done": out / "baselines.csv",
+                "hash": config_hash(inputs), "inputs": inputs, "settings": settings,
+                "paths": sorted(str(p) for p, _ in checkpoints.values())}
+
     def real_text(self) -> None:
         """`python -m evals.real_text` over every trained checkpoint of the study (every job,
         as the divergence step): one invocation, rerun when a checkpoint or a setting changes."""
         spec, key = self.spec.real_text, "real_text"
         if spec is None:
             return
-        checkpoints = self.checkpoints(all_jobs=True)
-        if not checkpoints:
+        step = self._real_text_step()
+        if step is None:
             self.record(key, "skipped", reason="no trained checkpoint")
             return
-        out = self.out / "real_text"
-        settings = {name: getattr(spec, name) for name in REAL_TEXT_READING}
-        settings.update(replays=[str(v) for v in spec.replays],
-                        continuation=str(spec.continuation))
-        paths = sorted(str(p) for p, _ in checkpoints.values())
-        digest = config_hash({"real_text": settings,
-                              "trained": sorted(h for _, h in checkpoints.values())})
-        if self._fresh("real_text", out, out / "baselines.csv", digest):
+        out, digest, settings, paths = step["out"], step["hash"], step["settings"], step["paths"]
+        if self._fresh("real_text", step):
             self.record(key, "skipped", out=str(out), hash=digest)
             return
         # what a previous reading wrote (not lm_eval/, which lives here too): a rerun that
@@ -747,7 +745,7 @@ class Study:
                                   self.out / "logs" / "real_text.log")
         secs = round(time.time() - t0, 1)
         if code == 0 and (out / "baselines.csv").exists():
-            _write_stamp(out, {"hash": digest, "checkpoints": paths})
+            _write_stamp(out, _step_record(step, checkpoints=paths))
             self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
         else:
             print(f"[study] real_text: FAILED (exit {code}); continuing", flush=True)
@@ -759,63 +757,80 @@ class Study:
         spec = self.spec.real_text
         if spec is None or not (spec.lm_eval_modes or spec.lm_eval_turn_modes):
             return
-        from ced.checkpoint import load_config
-        root = self.out / "real_text" / "lm_eval"
         current: list[Path] = []        # the runs of this spec and these checkpoints only
         unknown = sorted(set(spec.lm_eval_jobs or []) - {j.name for j in self.spec.jobs})
         if unknown:
             self.record("lm_eval", "failed", error=f"real_text.lm_eval_jobs: no job(s) "
                         f"{unknown} in study {self.spec.name}")
             return
+        for tasks_step, runs in self._lm_eval_steps():
+            if not self._code_tasks(tasks_step):
+                continue
+            for step in runs:
+                current.append(step["out"])
+                self._lm_eval_run(step)
+        from evals.real_text import write_lm_eval
+        try:
+            written = write_lm_eval(self.out / "real_text" / "lm_eval", self.out / "real_text",
+                                    runs=current)
+            self.record("lm_eval", "ok", out=str(written["lm_eval"]))
+        except (FileNotFoundError, ValueError) as exc:
+            self.record("lm_eval", "failed", error=str(exc))
+
+    def _lm_eval_steps(self):
+        """Per checkpoint lm-eval reads, as they would run now: (its code-tasks step, its
+        lm-eval run steps, one per mode and task group)."""
+        from ced.checkpoint import load_config
+        spec, root = self.spec.real_text, self.out / "real_text" / "lm_eval"
+        args = ["--examples", str(spec.lm_eval_examples), "--context",
+                str(spec.lm_eval_context), "--min-distance", str(spec.lm_eval_min_distance),
+                *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
         for label, (final, trained) in self.checkpoints(all_jobs=True).items():
             if spec.lm_eval_jobs is not None and label.split("/")[0] not in spec.lm_eval_jobs:
                 continue
             cfg = load_config(final)
             replays = cfg.has_decoder and not cfg.traits.exact_early_exit
             tasks = root / label / "tasks"
-            args = ["--examples", str(spec.lm_eval_examples), "--context",
-                    str(spec.lm_eval_context), "--min-distance", str(spec.lm_eval_min_distance),
-                    *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
-            if not self._code_tasks(label, final, trained, tasks, args):
-                continue
+            inputs = {"tasks": args, "trained": trained}
+            tasks_step = {"key": f"lm_eval/{label}", "label": label, "out": tasks,
+                          "done": tasks / "ced_code.yaml", "hash": config_hash(inputs),
+                          "inputs": inputs, "final": final, "args": args}
             runs = [(m, "ced_code") for m in (spec.lm_eval_modes if replays else ["full"])]
             runs += [(m, "ced_code_turn") for m in (spec.lm_eval_turn_modes if replays else [])]
+            steps = []
             for mode, group in runs:
-                current.append(root / label / group / mode_slug(mode))
-                self._lm_eval_run(label, final, trained, mode, group, tasks, args,
-                                  current[-1], spec.lm_eval_batch_size)
-        from evals.real_text import write_lm_eval
-        try:
-            written = write_lm_eval(root, self.out / "real_text", runs=current)
-            self.record("lm_eval", "ok", out=str(written["lm_eval"]))
-        except (FileNotFoundError, ValueError) as exc:
-            self.record("lm_eval", "failed", error=str(exc))
+                out = root / label / group / mode_slug(mode)
+                inputs = {"mode": mode, "group": group, "tasks": args,
+                          "batch_size": spec.lm_eval_batch_size, "trained": trained}
+                steps.append({"key": f"lm_eval/{label}/{group}/{mode}", "out": out,
+                              "done": out / "mode.txt", "hash": config_hash(inputs),
+                              "inputs": inputs, "final": final, "tasks": tasks,
+                              "label": label})
+            yield tasks_step, steps
 
-    def _code_tasks(self, label: str, final: Path, trained: str, tasks: Path,
-                    args: list[str]) -> bool:
+    def _code_tasks(self, step: dict) -> bool:
         """The code tasks of one checkpoint (its W, its held-out files), written once per
         settings and checkpoint; False (recorded) if writing them failed."""
-        digest = config_hash({"tasks": args, "trained": trained})
-        if self._fresh(f"lm_eval tasks {label}", tasks, tasks / "ced_code.yaml", digest):
+        label, tasks, digest, final = step["label"], step["out"], step["hash"], step["final"]
+        if self._fresh(f"lm_eval tasks {label}", step):
             self.record(f"lm_eval/{label}", "skipped", out=str(tasks), hash=digest)
             return True
         code, tail = stream([sys.executable, "-m", "evals.lmeval", "write-code-tasks",
-                             "--checkpoint", str(final), "--out", str(tasks), *args],
+                             "--checkpoint", str(final), "--out", str(tasks), *step["args"]],
                             self.out / "logs" / f"lm_eval_tasks_{label.replace('/', '_')}.log",
                             self.env)
         if code != 0:
             self.record(f"lm_eval/{label}", "failed", returncode=code, tail=tail)
             return False
-        _write_stamp(tasks, {"hash": digest, "checkpoint": str(final)})
+        _write_stamp(tasks, _step_record(step, checkpoint=str(final)))
         self.record(f"lm_eval/{label}", "ok", out=str(tasks), hash=digest)
         return True
 
-    def _lm_eval_run(self, label: str, final: Path, trained: str, mode: str, group: str,
-                     tasks: Path, task_args: list[str], out: Path, batch_size: int) -> None:
-        key = f"lm_eval/{label}/{group}/{mode}"
-        digest = config_hash({"mode": mode, "group": group, "tasks": task_args,
-                              "batch_size": batch_size, "trained": trained})
-        if self._fresh(key, out, out / "mode.txt", digest):
+    def _lm_eval_run(self, step: dict) -> None:
+        key, out, digest, final = step["key"], step["out"], step["hash"], step["final"]
+        mode, group, tasks = step["inputs"]["mode"], step["inputs"]["group"], step["tasks"]
+        batch_size, label = step["inputs"]["batch_size"], step["label"]
+        if self._fresh(key, step):
             self.record(key, "skipped", out=str(out), hash=digest)
             return
         if out.exists():
@@ -832,56 +847,68 @@ class Study:
         secs = round(time.time() - t0, 1)
         if code == 0:
             (out / "mode.txt").write_text(mode + "\n")
-            _write_stamp(out, {"hash": digest, "checkpoint": str(final)})
+            _write_stamp(out, _step_record(step, checkpoint=str(final)))
             self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
         else:
             print(f"[study] {key}: FAILED (exit {code}); continuing", flush=True)
             self.record(key, "failed", returncode=code, tail=tail, seconds=secs)
 
     # suite
-    def suite(self) -> None:
+    def _suite_steps(self, checkpoints: dict[str, tuple[Path, str]]):
+        """The suite steps of these checkpoints as they would run now, one per checkpoint and
+        eval-time top-k / KV override: key, label, out, done, hash, inputs, written, final."""
+        from ced.checkpoint import load_config
         spec = self.spec.suite
-        if spec is None:
+        ref = self._reference_config(checkpoints)
+        overrides = [(topk, kv) for topk in (list(spec.topk) or [None])
+                     for kv in (list(spec.kv) or [None])]
+        written = {"suite": plain(spec)}
+        for run_label, (final, trained) in checkpoints.items():
+            own = load_config(final)
+            for topk, kv in overrides:
+                if topk is not None and not own.traits.topk_study:
+                    continue    # top-k overrides apply to the variant the top-k study is about
+                label = (run_label + ("" if topk is None else f"@topk={topk}")
+                         + ("" if kv is None else f"@kv={kv}"))
+                out = self.out / "suite" / label
+                inputs = {"suite": suite_options(spec, ref, own, topk=topk, kv=kv),
+                          "trained": trained}
+                yield {"key": f"suite/{label}", "label": label, "run": run_label, "out": out,
+                       "done": out / "summary.json", "hash": config_hash(inputs),
+                       "inputs": inputs, "written": written, "final": final}
+
+    def suite(self) -> None:
+        """`evals.suites` per checkpoint of the `jobs=` jobs and eval-time override, each step
+        rerun when its checkpoint or its resolved settings change."""
+        if self.spec.suite is None:
             return
         checkpoints = self.checkpoints()
         if not checkpoints:
             self.record("suite", "skipped", reason="no trained checkpoint")
             return
-        from ced.checkpoint import load_config
-        ref = self._reference_config(checkpoints)
-        overrides = [(topk, kv) for topk in (list(spec.topk) or [None])
-                     for kv in (list(spec.kv) or [None])]
-        for run_label, (final, trained) in checkpoints.items():
-            own = load_config(final)
-            traits = own.traits
-            for topk, kv in overrides:
-                if topk is not None and not traits.topk_study:
-                    continue    # top-k overrides apply to the variant the top-k study is about
-                label = (run_label + ("" if topk is None else f"@topk={topk}")
-                         + ("" if kv is None else f"@kv={kv}"))
-                key, out = f"suite/{label}", self.out / "suite" / label
-                options = suite_options(spec, ref, own, topk=topk, kv=kv)
-                digest = config_hash({"suite": options, "trained": trained})
-                if self._fresh(f"suite {label}", out, out / "summary.json", digest):
-                    self.record(key, "skipped", out=str(out), hash=digest)
-                    continue
-                (out / STAMP).unlink(missing_ok=True)
-                # the driver decides reruns itself (by hash), so it may replace what is there
-                job = {**options, "checkpoint": str(final), "out": str(out), "overwrite": True,
-                       "wandb": self.wandb, "wandb_project": self.project,
-                       "wandb_group": self.group}
-                banner(f"suite {label}: N={options['replays']}")
-                t0 = time.time()
-                log = self.out / "logs" / f"suite_{label.replace('/', '_')}.log"
-                code, tail = self.run_job("suite", job, log.with_suffix(".json"), log)
-                secs = round(time.time() - t0, 1)
-                if code == 0 and (out / "summary.json").exists():
-                    _write_stamp(out, {"hash": digest, "checkpoint": str(final)})
-                    self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
-                else:
-                    print(f"[study] suite {label}: FAILED (exit {code}); continuing", flush=True)
-                    self.record(key, "failed", returncode=code, tail=tail, seconds=secs,
-                                log=str(log))
+        for step in self._suite_steps(checkpoints):
+            key, label, out, digest = step["key"], step["label"], step["out"], step["hash"]
+            options, final = step["inputs"]["suite"], step["final"]
+            if self._fresh(f"suite {label}", step):
+                self.record(key, "skipped", out=str(out), hash=digest)
+                continue
+            (out / STAMP).unlink(missing_ok=True)
+            # the driver decides reruns itself (by hash), so it may replace what is there
+            job = {**options, "checkpoint": str(final), "out": str(out), "overwrite": True,
+                   "wandb": self.wandb, "wandb_project": self.project,
+                   "wandb_group": self.group}
+            banner(f"suite {label}: N={options['replays']}")
+            t0 = time.time()
+            log = self.out / "logs" / f"suite_{label.replace('/', '_')}.log"
+            code, tail = self.run_job("suite", job, log.with_suffix(".json"), log)
+            secs = round(time.time() - t0, 1)
+            if code == 0 and (out / "summary.json").exists():
+                _write_stamp(out, _step_record(step, checkpoint=str(final)))
+                self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
+            else:
+                print(f"[study] suite {label}: FAILED (exit {code}); continuing", flush=True)
+                self.record(key, "failed", returncode=code, tail=tail, seconds=secs,
+                            log=str(log))
 
     # report
     def report(self) -> Path | None:
@@ -1015,7 +1042,8 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     if opts.only == "plan":
         from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(OmegaConf.structured(spec)), flush=True)
-        bad = [r for r in study.plan() if r["action"] == "config_error"]
+        # a plan that would refuse a step (or a job's config) fails, as the run would
+        bad = [r for r in study.plan() if r["action"] in ("config_error", "refuse")]
         return 2 if bad else 0
     if opts.only in ("all", "train"):
         study.check_configs()

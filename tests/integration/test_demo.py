@@ -18,9 +18,9 @@ from experiments.study import load_study
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_study(out: Path, *extra: str) -> subprocess.CompletedProcess:
+def run_study(out: Path, *extra: str, study: str = "tiny") -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, "-m", "experiments.run", "study=tiny", f"out={out}",
+    return subprocess.run([sys.executable, "-m", "experiments.run", f"study={study}", f"out={out}",
                            "threads=1", "wandb=false", *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -149,6 +149,42 @@ def test_another_study_directory_reuses_runs_of_the_same_training_hash(tiny_stud
     assert "plan ced/seed1: TRAIN" in other.stdout
     bad = run_study(tmp_path / "bad", f"reuse=[{tmp_path / 'nowhere'}]", "only=plan")
     assert bad.returncode == 2 and "reuse:" in bad.stderr
+
+
+def changed_tiny(path: Path, old: str, new: str) -> Path:
+    """conf/experiment/tiny.yaml with one edit, written to `path`."""
+    text = (STUDY_DIR / "tiny.yaml").read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def test_the_plan_lists_every_step_and_what_changed(tiny_study, tmp_path, capsys):
+    out, _ = tiny_study
+    more = changed_tiny(tmp_path / "more.yaml", "replay: [4, W]", "replay: [4, W, 3W]")
+    plan = run_study(out, "only=plan", study=str(more))
+    assert plan.returncode == 0, plan.stdout[-3000:] + plan.stderr[-3000:]
+    for line in ("plan ced/seed0: SKIP - done before with the same config",
+                 "plan suite/ced/seed0: RERUN - inputs changed (suite.replay gained 3W)",
+                 "plan suite/ced/seed0@kv=global:fp8: RERUN - inputs changed (suite.replay "
+                 "gained 3W)", "plan divergence: RUN - after training broken/seed0",
+                 "plan report: RUN"):
+        assert line in plan.stdout, (line, plan.stdout[-3000:])
+    # a run gives the same reason, from the same decision (in-process: a run costs seconds)
+    from experiments.run import Study
+    study = Study(load_study(str(more)), out, 1, wandb=False)
+    step = next(s for s in study._suite_steps(study.checkpoints()) if s["label"] == "ced/seed0")
+    assert not study._fresh("suite ced/seed0", step)
+    assert ("suite ced/seed0: inputs changed (suite.replay gained 3W); rerunning"
+            in capsys.readouterr().out)
+
+
+def test_a_plan_that_would_refuse_a_run_exits_2(tiny_study, tmp_path):
+    out, _ = tiny_study
+    longer = changed_tiny(tmp_path / "longer.yaml", "train.steps=4", "train.steps=5")
+    plan = run_study(out, "only=plan", study=str(longer))
+    assert plan.returncode == 2, plan.stdout[-3000:] + plan.stderr[-3000:]
+    assert "plan ced/seed0: REFUSE - config changed since it was trained" in plan.stdout
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in STUDY_DIR.glob("*.yaml")))

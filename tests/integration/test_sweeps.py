@@ -153,9 +153,9 @@ def test_study_driver_multirun_seeds_and_config_hash(tmp_path):
     assert "train a/seed0: done before with the same config (hash" in again.stdout
     study_file(mini, steps=3)
 
-    # only=plan says the same and changes nothing.
+    # only=plan says the same and changes nothing; a refused step fails the plan (exit 2).
     plan = run("experiments.run", f"study={mini}", *common, "only=plan")
-    assert plan.returncode == 0
+    assert plan.returncode == 2
     assert "steps: 3" in plan.stdout or "train.steps=3" in plan.stdout
     assert "[study] plan a/seed1: REFUSE - config changed" in plan.stdout
 

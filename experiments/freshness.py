@@ -1,0 +1,112 @@
+"""What changed between the inputs an evaluation step recorded when it last ran and the ones
+it would run with now: the reason the study driver (and its `only=plan`) gives for a rerun."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from ced.records import DamagedRecord, read_json, set_aside
+
+# the record each step leaves in its directory (the hash of its inputs, and the inputs)
+STAMP = "study_step.json"
+
+
+def plain(value: Any) -> Any:
+    """A study spec section (a dataclass or an OmegaConf node) as plain JSON-able data."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value)
+    except ImportError:     # plain data needs no OmegaConf
+        pass
+    return value
+
+
+def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf of nested dicts (lists are leaves)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(leaves(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _one_change(key: str, old: Any, new: Any) -> str:
+    """One key's change in words: a list names what it gained and lost."""
+    if isinstance(old, list) and isinstance(new, list):
+        gained = [str(v) for v in new if v not in old]
+        lost = [str(v) for v in old if v not in new]
+        words = ([f"gained {', '.join(gained)}"] if gained else []) + \
+                ([f"lost {', '.join(lost)}"] if lost else [])
+        return f"{key} {' and '.join(words) or 'reordered'}"
+    return f"{key} {old!r} -> {new!r}"
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """The keys (dotted) whose values differ between two nested dicts, each in words."""
+    a, b = leaves(old), leaves(new)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key not in a:
+            out.append(f"{key} added ({b[key]!r})")
+        elif key not in b:
+            out.append(f"{key} removed (was {a[key]!r})")
+        elif a[key] != b[key]:
+            out.append(_one_change(key, a[key], b[key]))
+    return out
+
+
+def describe_step_change(stamp: dict | None, digest: str, inputs: dict,
+                         written: dict | None = None) -> str:
+    """Why a step whose outputs exist is rerun: the keys of its written settings that changed
+    (as the study file writes them, e.g. `suite.replay gained 3W`), whether a checkpoint it
+    reads was retrained, else the keys of its resolved inputs that changed. A record written
+    before steps kept their inputs can only name the hashes."""
+    old_hash = (stamp or {}).get("hash", "unknown")
+    if not stamp or "inputs" not in stamp:
+        return (f"hash {old_hash} -> {digest}: a checkpoint was retrained or the settings "
+                f"changed")
+    old = stamp["inputs"]
+    parts = differences(stamp.get("written") or {}, written or {})
+    if old.get("trained") != inputs.get("trained"):
+        parts.append("a checkpoint it reads was retrained")
+    if not parts:
+        parts = differences({k: v for k, v in old.items() if k != "trained"},
+                            {k: v for k, v in inputs.items() if k != "trained"})
+    return "; ".join(parts) or f"hash {old_hash} -> {digest}"
+
+
+def read_stamp(directory: Path, repair: bool = True) -> dict | None:
+    """The step record in `directory`, or None. A damaged one (torn, not JSON, no hash) is
+    named in one line and, with `repair`, moved aside to `study_step.json.damaged-<UTC
+    time>` (not for only=plan, which writes nothing, nor in another study's directory): the
+    step then counts as unrecorded (a finished training run is refused, not retrained; an
+    evaluation is rerun)."""
+    path = directory / STAMP
+    try:
+        stamp = read_json(path, set_aside_damaged=repair)
+        if stamp is not None and "hash" not in stamp:
+            raise DamagedRecord(path, "no hash in it", set_aside(path) if repair else None)
+    except DamagedRecord as exc:
+        print(f"[study] warning: {exc}; the step counts as unrecorded", flush=True)
+        return None
+    return stamp
+
+
+def step_decision(step: dict, repair: bool = True) -> tuple[str, str]:
+    """Whether an evaluation step runs, the one decision of a run and of only=plan: (skip |
+    run | rerun, reason). `step` holds its `out` directory, the `done` file its outputs end
+    with, the `hash` of its `inputs` and what the study file `written` for it; it is done when
+    `done` exists beside a record of the same hash, and a rerun names what changed."""
+    stamp = read_stamp(step["out"], repair)
+    if step["done"].exists() and stamp is not None and stamp.get("hash") == step["hash"]:
+        return "skip", f"done before with the same inputs (hash {step['hash']})"
+    if not step["done"].exists():
+        return "run", "not run yet"
+    change = describe_step_change(stamp, step["hash"], step["inputs"], step.get("written"))
+    return "rerun", f"inputs changed ({change})"
