@@ -1,11 +1,11 @@
 """Run a named study: train its jobs (once per seed), evaluate them, write the report.
 
     python -m experiments.run study=<name> [out=DIR] [scale=demo|full] [seeds=[0,1,2]]
-                              [threads=2] [wandb=true] [group=G] [on_change=refuse|rerun]
+                              [threads=2] [wandb=true] [group=G] [on_change=refuse|rerun|continue]
                               [only=train|eval|report|plan]
 
 `only=plan` prints the resolved study and what would happen to every step (each training
-run: skip, train, resume, refuse, rerun, reuse; each evaluation: skip, run, rerun; the
+run: skip, train, resume, refuse, rerun, continue, reuse; each evaluation: skip, run, rerun; the
 report), and why, without running anything (`experiments.plan`); it exits 2 if a step would
 be refused. `reuse=[DIR, ...]`
 names other study directories: a run whose training hash (every training override and the
@@ -34,7 +34,9 @@ Every step records the hash of its inputs (`study_step.json` in its directory: f
 the normalised overrides and seed; for evaluations, their settings and the hashes of the
 checkpoints they read). A step whose outputs exist with the same hash is skipped. A training
 run whose config changed is refused (`on_change=refuse`, the default: the step fails, the old
-run stays) or moved aside to `<run>.old-<hash>` and trained again (`on_change=rerun`); an
+run stays) or moved aside to `<run>.old-<hash>` and trained again (`on_change=rerun`); with
+`on_change=continue` a run whose only change is a raised `train.steps` trains on from where it
+ended, on its own schedule (`experiments.continuation`), and any other change is refused; an
 evaluation whose inputs changed is rerun. A training run interrupted with the same config
 resumes from its last checkpoint. A failed step is recorded (return code, last lines of
 output) and the others go on; the exit code is 1 if anything failed (in a multirun, the job
@@ -57,6 +59,7 @@ from ced.presets import known_studies
 from ced.records import DamagedRecord, read_json, write_json
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 
+from .continuation import Extension, extension
 from .freshness import STAMP, plain, step_decision
 from .freshness import read_stamp as _read_stamp
 from .plan import plan_study
@@ -102,12 +105,15 @@ class DriverConfig:
         for path in self.reuse or []:
             if not (Path(path) / "runs").is_dir():
                 raise StudyError(f"reuse: {path} is not a study directory (no runs/ in it)")
-        if self.on_change not in ("refuse", "rerun"):
-            raise StudyError(f"on_change: must be refuse or rerun; got {self.on_change!r}")
+        if self.on_change not in ON_CHANGE:
+            raise StudyError(f"on_change: must be one of {', '.join(ON_CHANGE)}; got "
+                             f"{self.on_change!r}")
         if self.threads is not None and self.threads < 1:
             raise StudyError(f"threads: must be null or >= 1; got {self.threads}")
 
 
+# what the driver does with a finished training run whose config changed (DriverConfig.on_change)
+ON_CHANGE = ("refuse", "rerun", "continue")
 DRIVER_KEYS = sorted(f.name for f in fields(DriverConfig))
 
 
@@ -435,9 +441,10 @@ class Study:
     def decide(self, job_name: str, seed: int, label: str) -> tuple[str, str, str]:
         """What training run `label` needs: (action, config hash, reason), action one of
         skip (done with this config), train (never started), resume (interrupted, same
-        config), refuse / rerun (its config changed; which one is `on_change`). A run whose
-        overrides changed but compose to the config it trained (its config.yaml) is the same
-        run (`train` then gives its stamp the new hash). Changes nothing on disk."""
+        config), continue (train on to a raised `train.steps`, `on_change=continue`), refuse /
+        rerun (its config changed; which one is `on_change`). A run whose overrides changed
+        but compose to the config it trained (its config.yaml) is the same run (`train` then
+        gives its stamp the new hash). Changes nothing on disk."""
         run_dir = self.run_dir(label)
         wanted = self.train_overrides(job_name, seed)
         digest = config_hash(wanted)
@@ -445,6 +452,11 @@ class Study:
         finished = (run_dir / "final" / "model.safetensors").exists()
         started = finished or (run_dir / "checkpoints").exists()
         if stamp is not None and stamp["hash"] == digest:
+            if stamp.get("extending"):
+                # the old final/ is still there: only the stamp knows the run is mid-way
+                to = Extension.from_record(stamp["extending"]).wanted
+                return "continue", digest, (f"interrupted while continuing to step {to}; "
+                                            "resuming from its last checkpoint")
             if finished:
                 return "skip", digest, f"done before with the same config (hash {digest})"
             if started:
@@ -464,15 +476,32 @@ class Study:
                 return (("skip", digest, f"done before: {same}") if finished else
                         ("resume", digest, f"interrupted before: {same}; resuming"))
             if wanted_view is not None:
-                change = describe_config_change(trained, wanted_view)
-                return (("refuse" if self.on_change == "refuse" else "rerun"), digest,
-                        f"config changed since it was trained (hash {old} -> {digest}: "
-                        f"{change})")
+                return self._changed(digest, extension(trained, wanted_view), finished,
+                                     f"config changed since it was trained (hash {old} -> "
+                                     f"{digest}: {describe_config_change(trained, wanted_view)})")
         change = (describe_change(stamp["overrides"], wanted) if stamp else
                   "no study_step.json: trained outside the driver; only=eval evaluates it "
                   "as it is")
-        reason = f"config changed since it was trained (hash {old} -> {digest}: {change})"
-        return ("refuse" if self.on_change == "refuse" else "rerun"), digest, reason
+        return self._changed(digest, None, finished, f"config changed since it was trained "
+                                                     f"(hash {old} -> {digest}: {change})")
+
+    def _changed(self, digest: str, steps: Extension | None, finished: bool,
+                 reason: str) -> tuple[str, str, str]:
+        """`decide` for a run whose config changed: `on_change` says what to do; `steps` is
+        the change when it is only a matter of train.steps (None when anything else
+        changed)."""
+        if self.on_change == "rerun":
+            return "rerun", digest, reason
+        if self.on_change == "continue" and steps is not None:
+            if steps.continues:
+                return "continue", digest, steps.describe()
+            if steps.wanted == steps.ends_at and finished:
+                return "skip", digest, (f"done before: continued to step {steps.wanted} on "
+                                        f"its own {steps.schedule_steps}-step schedule")
+        if self.on_change == "continue":
+            reason += ("; on_change=continue continues only a raised train.steps (nothing "
+                       "else changed, the run not past it)")
+        return "refuse", digest, reason
 
     def reusable(self, digest: str) -> Path | None:
         """A finished run with training hash `digest` in one of the `reuse` study directories
@@ -587,6 +616,18 @@ class Study:
                   f"run moved to {aside}", flush=True)
         elif action == "resume":
             print(f"[study] train {label}: {reason}", flush=True)
+        elif action == "continue":
+            print(f"[study] train {label}: CONTINUING (on_change=continue): {reason}",
+                  flush=True)
+            steps = (Extension.from_record(stamp["extending"]) if stamp and stamp.get(
+                "extending") else extension(trained_view(run_dir), self.composed_training(label)))
+            # marked before ced.train starts: an interrupted continuation still has the old
+            # final/, and only this mark tells the next invocation to resume it
+            _write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
+                                   "seed": seed, "extending": steps.record(),
+                                   "extended_from_hash": (stamp or {}).get(
+                                       "extended_from_hash", (stamp or {}).get("hash"))})
+            return digest
         source = self.reusable(digest) if action == "train" else None
         if source is not None:
             shutil.copytree(source, run_dir, dirs_exist_ok=True)
@@ -608,6 +649,9 @@ class Study:
         from ced.train import existing_run
         # resume=auto only continues a run: a directory that holds none starts a new one
         resume = ["train.resume=auto"] if existing_run(run_dir) else []
+        stamp = _read_stamp(run_dir) or {}
+        steps = Extension.from_record(stamp["extending"]) if stamp.get("extending") else None
+        resume += steps.overrides() if steps else []
         overrides = [*self.launch_overrides(job_name, seed),
                      f"train.threads={self.threads}", *resume,
                      f"logging.project={self.project}", f"logging.group={self.group}",
@@ -621,7 +665,13 @@ class Study:
         code, tail = stream([sys.executable, "-m", "ced.train", *overrides], log, self.env)
         secs = round(time.time() - t0, 1)
         if code == 0 and (run_dir / "final" / "model.safetensors").exists():
-            self.record(key, "ok", run_dir=str(run_dir), seconds=secs, hash=digest)
+            extra = {}
+            if steps is not None:
+                # done: the record says, for good, that this run was extended and how
+                extra["extended"] = steps.record()
+                _write_stamp(run_dir, {**{k: v for k, v in stamp.items() if k != "extending"},
+                                       **extra})
+            self.record(key, "ok", run_dir=str(run_dir), seconds=secs, hash=digest, **extra)
         else:
             print(f"[study] train {label}: FAILED (exit {code}); continuing", flush=True)
             self.record(key, "failed", returncode=code, tail=tail, seconds=secs,

@@ -167,3 +167,61 @@ def test_study_driver_multirun_seeds_and_config_hash(tmp_path):
              (out / "runs" / "a" / "seed1" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert list((out / "runs" / "a").glob("seed1.old-*"))
+
+
+def test_study_continues_a_raised_train_steps_on_the_runs_own_schedule(tmp_path):
+    """on_change=continue (issue 53, item 7): a study that raises train.steps trains its
+    finished runs on from where they ended (train.extend_to), not from step 0; the plan says
+    so; the run's record and its config changes say it was extended; the learning rate of the
+    added step is the schedule's final one (no jump back up); an interrupted continuation
+    resumes; any other change is still refused."""
+    mini = study_file(tmp_path / "mini.yaml", steps=2)
+    out = tmp_path / "out"
+    common = [f"study={mini}", f"out={out}", "only=train", "wandb=false", "threads=1",
+              "seeds=[0]"]
+    first = run("experiments.run", *common)
+    assert first.returncode == 0, first.stdout[-2000:]
+    run_dir = out / "runs" / "a" / "seed0"
+    before = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    study_file(mini, steps=3)
+    plan = run("experiments.run", *common, "only=plan", "on_change=continue")
+    assert plan.returncode == 0, plan.stdout[-2000:]
+    assert ("[study] plan a/seed0: CONTINUE - train.steps raised 2 -> 3: steps 3-3 train on "
+            "at the end of the run's own 2-step schedule (train.extend_to=3)") in plan.stdout
+
+    extended = run("experiments.run", *common, "on_change=continue")
+    assert extended.returncode == 0, extended.stdout[-3000:]
+    assert "train a/seed0: CONTINUING (on_change=continue)" in extended.stdout
+    after = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in after] == [1, 2, 3] and after[:2] == before
+    # tiny's schedule: lr 0.003, min_lr_ratio 0.1; step 3 runs at the final rate
+    assert abs(after[2]["lr"] - 0.1 * 0.003) < 1e-12, after[2]
+    stamp = json.loads((run_dir / "study_step.json").read_text())
+    assert stamp["extended"] == {"schedule_steps": 2, "ends_at": 2, "wanted": 3}
+    assert "extending" not in stamp
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"]["train/a/seed0"]["extended"]["wanted"] == 3
+    [change] = [json.loads(ln) for ln in (run_dir / "config_changes.jsonl").read_text()
+                .splitlines()]
+    assert change["changed"] == {"train.extend_to": [None, 3]}
+
+    # done: the same study skips it, with or without on_change=continue
+    again = run("experiments.run", *common, "on_change=continue")
+    assert "train a/seed0: done before with the same config" in again.stdout
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+    # a continuation cut off before its end (the old final/ still there) resumes
+    (run_dir / "study_step.json").write_text(json.dumps(
+        {**stamp, "extending": stamp["extended"]}))
+    plan = run("experiments.run", *common, "only=plan")
+    assert ("[study] plan a/seed0: CONTINUE - interrupted while continuing to step 3"
+            in plan.stdout), plan.stdout[-2000:]
+    (run_dir / "study_step.json").write_text(json.dumps(stamp))
+
+    # anything else changed is refused under on_change=continue, saying why
+    mini.write_text(mini.read_text().replace("train.steps=3]", "train.steps=4, optim.lr=0.001]"))
+    refused = run("experiments.run", *common, "on_change=continue")
+    assert refused.returncode == 1
+    assert "REFUSED" in refused.stdout
+    assert "on_change=continue continues only a raised train.steps" in refused.stdout
