@@ -1,7 +1,7 @@
 """JSON records that a crash cannot tear and a damaged copy cannot hide.
 
 The study driver keeps its account of what ran in JSON files (`summary.json`, each step's
-`study_step.json`), and `evals.findings` and `evals.report` read them back. A crash or a full
+`study_step.json`), and `analysis.findings` and `analysis.report` read them back. A crash or a full
 disk in the middle of a plain `write_text` leaves half a file, which the next reader either
 chokes on (a traceback) or silently treats as absent (and then overwrites the history it held).
 

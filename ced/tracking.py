@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -87,6 +88,17 @@ def checkpoint_label(path: str | Path) -> str:
     p = Path(path)
     run = p.parent if p.name == "final" else p
     return f"{run.parent.name}/{run.name}" if run.name.startswith("seed") else run.name
+
+
+def job_and_seed(path: str | Path) -> tuple[str, int | None]:
+    """(job, training seed) of a checkpoint path `.../runs/<job>/seed<k>/final`; (the parent
+    directory's name, None) for any other path."""
+    parts = Path(str(path)).parts
+    for i, part in enumerate(parts):
+        match = re.fullmatch(r"seed(\d+)", part)
+        if match and i > 0:
+            return parts[i - 1], int(match.group(1))
+    return Path(str(path)).parent.name, None
 
 
 # ---- reading an offline run without a server --------------------------------------------------

@@ -17,12 +17,16 @@ Rules, from the field's type and default:
 - a bool that defaults to False is a switch `--<name>`; one that defaults to True is switched
   off by `--no-<name>`;
 - `choices` may be a list or a function returning one (read when the parser is built).
+
+`list_written` runs a tool's write step and lists what it wrote, one `[tool] name: path` line
+each.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from typing import Any, Callable, Sequence
 
@@ -103,3 +107,16 @@ def unknown_keys(cls: type, keys: Sequence[str]) -> list[str]:
     """The keys that are not fields of dataclass `cls` (for a config error naming them)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return sorted(k for k in keys if k not in names)
+
+
+def list_written(tag: str, write, errors: tuple = (FileNotFoundError,)) -> int:
+    """Run `write()` (-> {name: path}) and print each path as `[tag] name: path`; a missing
+    input (FileNotFoundError, or any of `errors`) is one line and exit code 2."""
+    try:
+        written = write()
+    except errors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, path in written.items():
+        print(f"[{tag}] {name}: {path}")
+    return 0

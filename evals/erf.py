@@ -53,6 +53,7 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.data.registry import TASKS, make_example
 from ced.inference.engine import Cache
 from ced.model import ModelState
+from ced.tracking import job_and_seed
 
 from . import plots
 from .cli import option
@@ -202,6 +203,26 @@ def share_beyond(profile: np.ndarray, distance: int) -> float:
     profile = np.asarray(profile, dtype=float)
     total = profile[1:].sum()
     return float(profile[distance:].sum() / total) if total > 0 else 0.0
+
+
+def erf_shares(erf_dir: Path) -> pd.DataFrame:
+    """Per checkpoint of an evals.erf output directory (its erf.csv and summary.json): job,
+    seed, and the share of the decoder's total gradient influence (layer-0 input, mean profile
+    over the checkpoint's prompts) at distance >= W and >= 2W (`share_beyond`)."""
+    table = pd.read_csv(erf_dir / "erf.csv")
+    summary = json.loads((erf_dir / "summary.json").read_text())
+    geometry = summary.get("geometry", {})
+    grad = table[(table["view"] == "gradient") & (table["layer"] == "total")
+                 & (table["metric"] == "norm")]
+    rows = []
+    for checkpoint, part in grad.groupby("checkpoint"):
+        job, seed = job_and_seed(checkpoint)
+        w = geometry.get(job, {}).get("W")
+        profile = part.groupby("distance")["value"].mean()
+        profile = profile.reindex(range(int(profile.index.max()) + 1), fill_value=0.0).to_numpy()
+        rows.append({"job": job, "seed": seed, "share_beyond_W": share_beyond(profile, w),
+                     "share_beyond_2W": share_beyond(profile, 2 * w)})
+    return pd.DataFrame(rows)
 
 
 def residual_distance(kl_by_n: np.ndarray, share: float) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +154,7 @@ def promises_exact(mode: Mode, r_exact: int) -> bool:
     that rebuilds every prefix H_{L_e} the decoder reads exactly (`cached_hidden`,
     `encoder_replay` with encoder_replay 'exact', `keep_decoder_swa`; `suffix_only` only when
     the replay lies within the turn). An exact mode that changes an answer is a bug, or
-    float32 round-off at a near-tie (`evals.findings` flags it)."""
+    float32 round-off at a near-tie (`analysis.findings` flags it)."""
     if isinstance(mode.replay, str) and mode.replay != "exact":
         raise ValueError(f"mode {mode.name!r}: resolve its window form for a model first "
                          "(evals.modes.resolve_mode)")
@@ -168,6 +169,31 @@ def promises_exact(mode: Mode, r_exact: int) -> bool:
     if mode.policy == "encoder_replay":
         return mode.encoder_replay == "exact"
     return n <= mode.turn          # suffix_only: exact only if the replay is inside the turn
+
+
+def mode_order(mode: str) -> tuple:
+    """A sort key for mode strings: full, then replay=N by N, then replay=exact, then the rest
+    by name."""
+    match = re.fullmatch(r"replay=(\d+)", mode)
+    if mode == "full":
+        return (0, 0, "")
+    if match:
+        return (1, int(match.group(1)), "")
+    return (2, 0, "") if mode == "replay=exact" else (3, 0, mode)
+
+
+def replay_of(mode: str, r_exact: int | None) -> float:
+    """N of a single-turn replay mode string (`replay=exact`: R_exact); NaN for `full`,
+    multi-turn and anything else."""
+    try:
+        parsed = parse_mode(mode)
+    except ValueError:
+        return math.nan
+    if parsed.turn is not None or parsed.replay is None:
+        return math.nan
+    if parsed.replay == "exact":
+        return float(r_exact) if r_exact else math.nan
+    return float(parsed.replay)
 
 
 def start_mode(engine: InferenceEngine, context: Tensor, mode: Mode):

@@ -67,11 +67,11 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.config import describe_replays, parse_replay_form, replay_length, state_replay
 from ced.data.tokenizer import ByteTokenizer
 from ced.memory import is_out_of_memory, oom_summary
-from ced.records import write_json
+from ced.tracking import job_and_seed
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import check_output_dir
 
-from .cli import option
+from .cli import build_parser, config_from_args, list_written, option
 from .code_tokens import Annotation, annotate, classify, group_of
 from .suites.stats import crossed_bootstrap, percentile_interval
 
@@ -332,7 +332,7 @@ def ngram_nll(train: np.ndarray, targets: np.ndarray, previous: np.ndarray,
 
 # ---- the run ------------------------------------------------------------------------------
 
-def _stdlib_fraction(checkpoint: str) -> float:
+def stdlib_fraction(checkpoint: str) -> float:
     """The validation_fraction of a checkpoint's `data=stdlib` (its run's config.yaml); a
     checkpoint trained on other data is refused: its held-out split is not these files."""
     from .divergence import checkpoint_data
@@ -384,13 +384,12 @@ def score_checkpoint(checkpoint: str, replays: list[str], continuation: str, pas
     """One checkpoint: (its token table with checkpoint, job, seed, W and R_exact columns, or
     None for a model whose replay is not read (`geometry`); {form: N}; G; {its exact NLL and
     byte count})."""
-    from .findings import _checkpoint_label
-    fraction = _stdlib_fraction(checkpoint)
+    fraction = stdlib_fraction(checkpoint)
     model = load_model(checkpoint).to(dtype).eval()
     cfg = model.cfg
     files = validation_files(fraction)[:max_files]
     rows = build_rows([data for _, data in files], min(row_len, cfg.max_seq_len), context)
-    job, seed = _checkpoint_label(checkpoint)
+    job, seed = job_and_seed(checkpoint)
     label = {"checkpoint": str(checkpoint), "job": job, "seed": seed, "variant": cfg.variant,
              "parameters": sum(p.numel() for p in model.parameters())}
     t0 = time.time()
@@ -474,7 +473,7 @@ def run(config: RealTextConfig) -> dict:
     from ced.checkpoint import load_config
     for checkpoint in checkpoints:
         geometry(load_config(checkpoint), checkpoint, replays, continuation, context, passes)
-    fractions = {_stdlib_fraction(checkpoint) for checkpoint in checkpoints}
+    fractions = {stdlib_fraction(checkpoint) for checkpoint in checkpoints}
     if len(fractions) != 1:
         raise ValueError(f"--checkpoint: the models hold out different stdlib splits "
                          f"(validation_fraction {sorted(fractions)}); read them apart")
@@ -638,135 +637,7 @@ def read_lm_eval(root: Path, runs: list[Path] | None = None):
     return pd.DataFrame(rows)
 
 
-def write_lm_eval(root: Path, out: Path, runs: list[Path] | None = None) -> dict[str, Path]:
-    """lm_eval.csv (every mode against full, paired on documents: the example-level and
-    seed-level CIs, p-values and Holm of `evals.findings.capability_drop_table`) and
-    lm_eval_accuracy.csv (accuracy per job, task, distance bin and mode) from `read_lm_eval`
-    (of `runs` only, when given: the study driver passes the runs of its current spec)."""
-    from .findings import accuracy_table, capability_drop_table
-    results = read_lm_eval(root, runs)
-    out.mkdir(parents=True, exist_ok=True)
-    accuracy = accuracy_table(results)
-    accuracy.to_csv(out / "lm_eval_accuracy.csv", index=False)
-    drops = capability_drop_table(results)
-    drops.to_csv(out / "lm_eval.csv", index=False)
-    return {"lm_eval": out / "lm_eval.csv", "lm_eval_accuracy": out / "lm_eval_accuracy.csv"}
-
-
-# ---- findings/real_text: what FINDINGS.md cites -----------------------------------------------
-
-# the study's tables and plots that findings/real_text/ keeps (tokens.parquet, tens of MB at the
-# findings scale, stays in the study directory)
-PUBLISHED = ("baselines.csv", "kl_by_class.csv", "kl_by_position.csv", "lm_eval.csv",
-             "lm_eval_accuracy.csv", "kl_by_position.png", "kl_by_class.png", "settings.json")
-
-
-def publish(study: Path, out: Path) -> dict[str, Path]:
-    """findings/real_text from a finished `real_text` study directory (`python -m
-    evals.findings --study DIR --out DIR` calls this when DIR has real_text/ and no suite/):
-    the tables and plots of PUBLISHED, lm-eval's results_*.json of every run (under
-    lm_eval/<job>/seed<k>/<group>/<mode>/, without the samples), training.csv (per run: parameters, steps, last
-    training loss, last validation loss) and training_curves.png, provenance.json (commands,
-    commits, step times) and findings.md (those tables in Markdown, headed by the provenance).
-    FileNotFoundError if the study has no real_text/baselines.csv."""
-    import shutil
-
-    from . import plots
-    from .findings import provenance
-    from .report import load_runs
-    source = Path(study) / "real_text"
-    if not (source / "baselines.csv").exists():
-        raise FileNotFoundError(f"{source}/baselines.csv: the study's real_text step has not "
-                                "run (python -m experiments.run study=real_text ...)")
-    out.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for name in PUBLISHED:
-        if (source / name).exists():
-            written[name.replace(".", "_")] = Path(shutil.copy2(source / name, out / name))
-    # lm-eval's own output (results_*.json; the per-document samples stay) of the runs that
-    # lm_eval_accuracy.csv read: a run of a mode the study no longer asks for is left behind
-    read = set()
-    if (source / "lm_eval_accuracy.csv").exists():
-        import pandas as pd
-        table = pd.read_csv(source / "lm_eval_accuracy.csv")
-        read = set(zip(table["job"], table["mode"]))
-    for run_dir, job, _, mode in lm_eval_runs(source / "lm_eval"):
-        if (job, mode) not in read:
-            continue
-        for result in sorted(run_dir.rglob("results_*.json")):
-            target = out / result.relative_to(source)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(result, target)
-            written["lm_eval_results"] = out / "lm_eval"
-    runs = load_runs(Path(study))
-    training = training_summary(runs)
-    written["training"] = out / "training.csv"
-    training.to_csv(written["training"], index=False, float_format="%.6g")
-    figure = plots.training_figure(runs)
-    if figure is not None:
-        written["training_curves"] = plots.save(figure, out / "training_curves.png")
-    info = provenance(Path(study))
-    written["provenance"] = out / "provenance.json"
-    write_json(written["provenance"], info)
-    written["findings"] = out / "findings.md"
-    written["findings"].write_text(_published_markdown(Path(study), out, info, training))
-    return written
-
-
-def training_summary(runs: dict):
-    """`evals.report.training_table` of the runs (the report's own table: last step, training
-    loss, validation loss in nats per byte, parameters), with the run label split into job and
-    seed."""
-    from .report import training_table
-    table = training_table(runs).rename(columns={"params": "parameters", "steps": "step"})
-    label = table["job"].str.partition("/seed")
-    table["job"] = label[0]
-    table.insert(1, "seed", label[2].astype(int))
-    table["parameters"] = table["parameters"].astype("Int64")   # none for an unfinished run
-    return table
-
-
-def _published_markdown(study: Path, out: Path, info: dict, training) -> str:
-    """findings.md of `publish`: competence against the n-gram baselines, the seed-level KL
-    per N and token class, each model's KL per N, and the lm-eval drops pooled over distance."""
-    import pandas as pd
-
-    from .findings import _markdown, _provenance_markdown
-    base = pd.read_csv(out / "baselines.csv")
-    base = base.assign(below_bigram=base["bigram_nll"] - base["nll_exact"])
-    classes = pd.read_csv(out / "kl_by_class.csv")
-    seeds, models = classes[classes["level"] == "seeds"], classes[classes["level"] == "model"]
-    md = [f"# {study.name}: real-text findings tables (python -m evals.findings)", "",
-          *_provenance_markdown(info),
-          "## Competence: held-out NLL (nats per byte) against the n-gram baselines", "",
-          _markdown(base, ["job", "seed", "variant", "parameters", "nll_exact", "unigram_nll",
-                           "bigram_nll", "below_bigram", "bytes"], digits=4),
-          "## Training (last logged step)", "",
-          _markdown(training, ["job", "seed", "parameters", "step", "train_loss", "val_loss"],
-                    digits=4),
-          "## KL(exact || replay N) per byte, pooled over each job's models (seed-level CI: "
-          "models and files drawn crossed)", "",
-          _markdown(seeds, ["job", "replay", "N", "group", "models", "files", "bytes", "kl_mean",
-                            "kl_ci_low", "kl_ci_high", "kl_median", "kl_p99", "kl_max",
-                            "dnll_mean", "dnll_ci_low", "dnll_ci_high", "delta_ppl"]),
-          "## Each model's KL over every scored byte (CI over files)", "",
-          _markdown(models[models["group"] == "all"],
-                    ["checkpoint", "replay", "N", "bytes", "kl_mean", "kl_ci_low", "kl_ci_high",
-                     "kl_p99", "kl_max", "delta_ppl"])]
-    if (out / "lm_eval.csv").exists():
-        drops = pd.read_csv(out / "lm_eval.csv")
-        md += ["## lm-eval (ced_code, ced_code_turn): each mode against full, pooled over "
-               "distance", "",
-               _markdown(drops[drops["x"].astype(str) == "all"],
-                         ["job", "family", "mode", "seeds", "n", "acc_full", "acc_mode",
-                          "difference", "ci_low", "ci_high", "seed_ci_low", "seed_ci_high",
-                          "per_seed_difference"])]
-    return "\n".join(md)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from .cli import build_parser, config_from_args
-    from .findings import list_written
     parser = build_parser(RealTextConfig, prog="python -m evals.real_text",
                           description=__doc__.split("\n\n")[0])
     config = config_from_args(RealTextConfig, parser.parse_args(argv))

@@ -25,7 +25,7 @@ job is trained with, and divergence and suite settings. Layout of the study dire
     real_text/                 evals.real_text over every trained checkpoint (data=stdlib
                                studies: per-byte KL of bounded replay on held-out files)
     logs/<step>.log            the full output of every subprocess
-    report/                    report.md, report.html, PNG plots (evals.report)
+    report/                    report.md, report.html, PNG plots (analysis.report)
     summary.json               the status of every step (ok / skipped / reused / failed /
                                refused, with its seconds) and every invocation of the driver
                                here (command, git commit, wall time)
@@ -803,7 +803,7 @@ class Study:
 
     def lm_eval(self) -> None:
         """lm-eval's CLI (`python -m evals.lmeval`) over the code tasks, per checkpoint and mode
-        (each a step skipped by hash), then `evals.real_text.write_lm_eval` over all of them."""
+        (each a step skipped by hash), then `analysis.real_text.write_lm_eval` over all of them."""
         spec = self.spec.real_text
         if spec is None or not (spec.lm_eval_modes or spec.lm_eval_turn_modes):
             return
@@ -966,7 +966,7 @@ class Study:
         path = self.out / "report" / "report.html"
         self.record("report", "ok", path=str(path))     # what the report shows about itself
         try:
-            from evals.report import build_report
+            from analysis.report import build_report
             path = build_report(self.out, wandb=self.wandb, group=self.group,
                                 project=self.project)
         except Exception as exc:    # a broken report must not hide the study's results

@@ -39,8 +39,9 @@ from io import BytesIO
 import pandas as pd
 from IPython.display import Image, display
 
-from evals import plots as P
-from evals import report as R
+from analysis import plots as P
+from evals import plots as EP
+from analysis import report as R
 
 study = Path(STUDY_DIR).expanduser().resolve()
 saved = []
@@ -94,7 +95,7 @@ R.training_table(runs)
 
 # %%
 div = R.load_divergence(study)
-show(P.divergence_figure(div), "divergence_vs_N")
+show(EP.divergence_figure(div), "divergence_vs_N")
 print(R.divergence_table(div).to_string(max_rows=40) if not div.empty else "no divergence")
 
 # %% [markdown]
@@ -106,8 +107,8 @@ print(R.divergence_table(div).to_string(max_rows=40) if not div.empty else "no d
 for label, run_info in info.items():
     s = run_info["settings"]
     part = suite[(suite["label"] == label) & (suite["x_name"] == "distance")]
-    show(P.accuracy_figure(part, replays=s["replays"], window=s["window"],
-                           r_exact=s.get("r_exact"), title=label, max_families=3),
+    show(EP.accuracy_figure(part, replays=s["replays"], window=s["window"],
+                            r_exact=s.get("r_exact"), title=label, max_families=3),
          f"accuracy_{R.file_label(label)}")
 R.pooled_accuracy(suite)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from ced.checkpoint import CheckpointError, StorageFull
 from ced.runlock import DirectoryLocked
 from ced.data import build_source
-from ced.train import (CONFIG_YAML, FINAL, NOT_FINISHED, Stopped, TrainingDiverged, _flat,
-                       _override_key, _resume_hint, check_resumable, train)
+from ced.train import (CONFIG_YAML, FINAL, NOT_FINISHED, Stopped, TrainingDiverged, flatten,
+                       override_key, resume_hint, check_resumable, train)
 from ced.train_config import ConfigError, TrainConfig, validate
 from ced.memory import advice, is_out_of_memory, oom_summary
 from ced.writable import OutputDirError, check_hydra_output
@@ -59,12 +59,12 @@ def _hydra_task(cfg) -> float | None:
     except DirectoryLocked as exc:
         _fail(f"error: {exc}", 2)
     except StorageFull as exc:
-        _fail(f"training stopped: {exc}; {_resume_hint(run_dir)}", NOT_FINISHED)
+        _fail(f"training stopped: {exc}; {resume_hint(run_dir)}", NOT_FINISHED)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         _fail(f"training stopped: no space left on the device ({exc.filename or run_dir}); "
-              f"{_resume_hint(run_dir)}", NOT_FINISHED)
+              f"{resume_hint(run_dir)}", NOT_FINISHED)
     except (RuntimeError, MemoryError) as exc:
         if not is_out_of_memory(exc):
             raise
@@ -72,7 +72,7 @@ def _hydra_task(cfg) -> float | None:
         # the same advice as a refusal, and nothing written but the checkpoints before it
         what = oom_summary(exc)
         keys = advice(config.train, None) if "config" in locals() else "lower train.batch_size"
-        _fail(f"training stopped: out of memory ({what}); {keys}; {_resume_hint(run_dir)}",
+        _fail(f"training stopped: out of memory ({what}); {keys}; {resume_hint(run_dir)}",
               NOT_FINISHED)
     finally:
         if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
@@ -98,7 +98,7 @@ def from_run_config(cfg, given: list[str], run_dir: Path):
     except Exception as exc:
         raise CheckpointError(f"{saved}: cannot be read ({type(exc).__name__})") from None
     for item in given:
-        key = _override_key(item)
+        key = override_key(item)
         if key.startswith("hydra") or ("=" not in item and not item.startswith("~")):
             continue
         if item.startswith("~"):
@@ -123,7 +123,7 @@ def _keys_set_by(key: str, value: str, cfg) -> list[str]:
     if not path.exists():
         return [key]
     values = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    return [k for k in _flat(values) if k != "defaults"] if isinstance(values, dict) else [key]
+    return [k for k in flatten(values) if k != "defaults"] if isinstance(values, dict) else [key]
 
 
 def finished_line(run_dir: Path, metrics: dict) -> str:
@@ -170,7 +170,7 @@ def expand_experiment(overrides: list[str]) -> list[str]:
     `python -m ced.train experiment=demo model=yoco` trains like the demo study's yoco job.
     Studies are override lists for several jobs, not config fragments, so the expansion happens
     here rather than in Hydra's defaults list."""
-    chosen = [o for o in overrides if _override_key(o) == "experiment"]
+    chosen = [o for o in overrides if override_key(o) == "experiment"]
     if not chosen:
         return list(overrides)
     if len(chosen) > 1 or "," in chosen[0]:
@@ -183,8 +183,8 @@ def expand_experiment(overrides: list[str]) -> list[str]:
     except StudyError as exc:
         raise ConfigError(f"experiment: {exc}") from None
     rest = [o for o in overrides if o not in chosen]
-    given = {_override_key(o) for o in rest if "=" in o}
-    preset = [o for o in shared if _override_key(o) not in given]
+    given = {override_key(o) for o in rest if "=" in o}
+    preset = [o for o in shared if override_key(o) not in given]
     return preset + rest
 
 
@@ -217,7 +217,7 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     check_overrides(args)
     _check_launcher(args)
     args = [a for a in free_form_overrides(args)
-            if not _override_key(a).startswith("hydra")]
+            if not override_key(a).startswith("hydra")]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -262,7 +262,7 @@ def name_sweep_by_what_varies(args: list[str]) -> list[str]:
     (`<job number>_<those keys>`); the overrides every job shares stay in each run's config.
     A command line that names its own subdir or exclusions is left as it is."""
     if not any(a in ("-m", "--multirun") for a in args) or any(
-            _override_key(a) in ("hydra.sweep.subdir",
+            override_key(a) in ("hydra.sweep.subdir",
                                  "hydra.job.config.override_dirname.exclude_keys")
             for a in args if "=" in a):
         return args
@@ -270,8 +270,8 @@ def name_sweep_by_what_varies(args: list[str]) -> list[str]:
     varying = [a for a in items if _sweeps(a.split("=", 1)[1])]
     if not varying:
         return args
-    constant = sorted({_override_key(a) for a in items if a not in varying
-                       and not _override_key(a).startswith("hydra")})
+    constant = sorted({override_key(a) for a in items if a not in varying
+                       and not override_key(a).startswith("hydra")})
     excludes = ",".join(NAME_EXCLUDES + [k for k in constant if k not in NAME_EXCLUDES])
     return args + [f"hydra.job.config.override_dirname.exclude_keys=[{excludes}]",
                    "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}"]
@@ -283,7 +283,7 @@ def check_resume_target(args: list[str]) -> None:
     A multirun's jobs are checked one by one when they start."""
     if any(a in ("-m", "--multirun") for a in args):
         return
-    values = {_override_key(a): a.split("=", 1)[1] for a in args if "=" in a}
+    values = {override_key(a): a.split("=", 1)[1] for a in args if "=" in a}
     if values.get("train.resume", "").strip() != "auto":
         return
     if "hydra.run.dir" not in values:

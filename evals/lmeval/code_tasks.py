@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from ced.checkpoint import CheckpointError, load_config
     from ced.config import parse_replay_form, replay_length
-    from evals.real_text import _stdlib_fraction, validation_files
+    from evals.real_text import stdlib_fraction, validation_files
     try:
         cfg = load_config(args.checkpoint)
         min_distance = replay_length(cfg, parse_replay_form(args.min_distance,
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.context + 2 > cfg.max_seq_len:
             raise ValueError(f"--context: {args.context} + the target must fit the model's "
                              f"max_seq_len {cfg.max_seq_len}")
-        files = validation_files(_stdlib_fraction(args.checkpoint))[:args.max_files]
+        files = validation_files(stdlib_fraction(args.checkpoint))[:args.max_files]
         written = write_code_tasks(args.out, files, args.context, min_distance, args.examples,
                                    args.seed)
     except (ValueError, CheckpointError) as exc:

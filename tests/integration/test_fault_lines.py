@@ -58,7 +58,7 @@ def test_findings_on_a_damaged_summary_warns_in_one_line_and_writes_what_survive
     study, out = tmp_path / "study", tmp_path / "findings"
     fabricated_study(study)
     (study / "summary.json").write_text(TORN)
-    done = run("evals.findings", "--study", str(study), "--out", str(out))
+    done = run("analysis.findings", "--study", str(study), "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     warning = one_line(done.stderr)
     assert warning.startswith(f"[findings] warning: {study / 'summary.json'}: damaged record "
@@ -155,7 +155,7 @@ SLOW = pytest.mark.slow     # 3 s of CPU each (pandas, torch); make test-slow
                  "read_only", marks=SLOW),
     ("evals.lmeval", ["--model", "ced", "--model_args", "checkpoint=/nowhere", "--tasks", "t",
                       "--output_path", "{}"], "--output_path", "read_only"),
-    pytest.param("evals.findings", ["--study", "/nowhere", "--out", "{}"], "--out", "file",
+    pytest.param("analysis.findings", ["--study", "/nowhere", "--out", "{}"], "--out", "file",
                  marks=SLOW),
 ])
 def test_every_entry_point_refuses_an_output_directory_it_cannot_write(

@@ -1,6 +1,6 @@
 """The minimal study file that docs/studies.md opens with, copied from the page as it stands:
 the driver composes and runs it (two tiny jobs one setting apart, the suite, the report), and
-`evals.findings` compares the two jobs with each other (arms.csv); the report shows the same
+`analysis.findings` compares the two jobs with each other (arms.csv); the report shows the same
 table under "Arms compared"."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evals.findings import main as findings_main
+from analysis.findings import main as findings_main
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "studies.md"

@@ -94,12 +94,12 @@ def test_a_second_run_skips_the_step(study):
 
 
 def test_the_study_is_published_for_findings(study, tmp_path):
-    """`python -m evals.findings` on a real_text study writes findings/real_text: the tables
+    """`python -m analysis.findings` on a real_text study writes findings/real_text: the tables
     and plots FINDINGS cites, one training row per run (the steps it trained), the provenance
     of the invocation, and findings.md whose competence table is baselines.csv's."""
     out, _ = study
     target = tmp_path / "findings_real_text"
-    done = subprocess.run([sys.executable, "-m", "evals.findings", "--study", str(out),
+    done = subprocess.run([sys.executable, "-m", "analysis.findings", "--study", str(out),
                            "--out", str(target)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -351,7 +351,7 @@ def test_a_half_written_last_metrics_line_is_dropped(base_run, tmp_path, capsys)
 
 
 def test_the_report_reads_a_run_whose_last_metrics_line_is_half_written(tmp_path):
-    from evals.report import load_runs
+    from analysis.report import load_runs
     run = tmp_path / "study" / "runs" / "job"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')

@@ -1,5 +1,5 @@
-"""evals.archive: a study's per-model results in committed-size cells, read back by
-evals.findings with every paired statistic unchanged."""
+"""analysis.archive: a study's per-model results in committed-size cells, read back by
+analysis.findings with every paired statistic unchanged."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import random
 import pandas as pd
 import pytest
 
-from evals.archive import OUTCOMES, archive, cells_of, expand_cells
-from evals.findings import capability_drop_table, load_results
-from evals.per_model import model_drops
+from analysis.archive import OUTCOMES, archive, cells_of, expand_cells
+from analysis.tables import capability_drop_table, load_results
+from analysis.per_model import model_drops
 
 
 def fake_results(seed: int) -> pd.DataFrame:

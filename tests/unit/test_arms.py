@@ -1,4 +1,4 @@
-"""Job against job (evals.arms, arms.csv of `python -m evals.findings`) on a fabricated two-arm
+"""Job against job (analysis.arms, arms.csv of `python -m analysis.findings`) on a fabricated two-arm
 study: which jobs are paired by default (one training setting apart) and on request, the
 differences by hand, the example- and model-level CIs, paired and unpaired documents."""
 
@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from evals.arms import compare_values, job_pairs
-from evals.findings import main
+from analysis.arms import compare_values, job_pairs
+from analysis.findings import main
 from evals.suites.stats import crossed_difference, welch_p
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def study(tmp_path) -> Path:
 
 def test_findings_cli_writes_the_job_against_job_table(study, tmp_path):
     out = tmp_path / "findings"
-    done = subprocess.run([sys.executable, "-m", "evals.findings", "--study", str(study),
+    done = subprocess.run([sys.executable, "-m", "analysis.findings", "--study", str(study),
                            "--out", str(out), "--compare", "k4:k4_sim"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

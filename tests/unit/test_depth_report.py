@@ -1,4 +1,4 @@
-"""evals.depth on a fabricated depth study: per job the failure rate at N = W (exact CI), N*
+"""analysis.depth on a fabricated depth study: per job the failure rate at N = W (exact CI), N*
 per model, the drop at N = W with both CIs, and the erf mechanism join, all by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from evals.depth import extrapolation_table, main, mechanism_table
+from analysis.depth import extrapolation_table, main, mechanism_table
 from evals.suites.stats import clopper_pearson
 
 W = 8
@@ -76,7 +76,7 @@ def test_depth_report_counts_models_and_finds_n_star(study, tmp_path):
     assert list(star.columns[:9]) == ["job", "arm", "seed", "L_d", "W", "R_exact", "N_star",
                                       "drop_at_W", "failed_at_W"]
     assert set(star["arm"]) == {"no_sim", "sim"}
-    # the arm test: the job-against-job rows of evals.findings at N = W, sim - no_sim
+    # the arm test: the job-against-job rows of analysis.findings at N = W, sim - no_sim
     arms = pd.read_csv(out / "arms_at_W.csv")
     assert len(arms) == 1
     test = arms.iloc[0]

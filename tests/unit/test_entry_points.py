@@ -23,5 +23,5 @@ def test_every_console_script_resolves_to_a_callable():
 def test_every_entry_point_has_a_console_script():
     modules = {target.partition(":")[0].removesuffix(".__main__") for target in scripts().values()}
     assert {"ced.cli.train", "ced.cli.cost", "evals.divergence", "evals.suites", "evals.lmeval",
-            "experiments.run", "evals.report", "evals.findings", "evals.erf",
-            "evals.topk_flips", "evals.scaling"} <= modules
+            "experiments.run", "analysis.report", "analysis.findings", "evals.erf",
+            "evals.topk_flips", "analysis.scaling"} <= modules

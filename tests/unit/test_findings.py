@@ -1,4 +1,4 @@
-"""evals.findings: the seed-pooled statistics FINDINGS.md cites, on fabricated suite results
+"""analysis.findings: the seed-pooled statistics FINDINGS.md cites, on fabricated suite results
 whose counts are known, so every number can be checked by hand."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import math
 import pandas as pd
 import pytest
 
-from evals.findings import (accuracy_table, answer_kl_table, capability_drop_table,
-                            competence_table, main, paired_difference, reference_drop_table)
+from analysis.findings import main
+from analysis.tables import (accuracy_table, answer_kl_table, capability_drop_table,
+                             competence_table, paired_difference, reference_drop_table)
 from evals.suites.stats import binomial_two_sided, wilson_interval
 
 
@@ -68,7 +69,7 @@ def test_models_that_read_the_same_documents_get_the_crossed_interval():
     assert row["difference"] == pytest.approx(-0.1)
     # all 4 models identical: the interval is the bootstrap of 20 documents, 2 of them -1
     assert row["seed_ci_low"] <= -0.2 + 1e-9 and row["seed_ci_high"] == 0.0
-    from evals.findings import model_level_columns
+    from analysis.tables import model_level_columns
     diffs = pd.Series([-1.0, -1.0] + [0.0] * 18, dtype=float)
     nested = model_level_columns(pd.concat({s: diffs for s in range(4)}).iloc[
         [i for i in range(80) if i % 20 != 19 or i < 20]])   # one id missing on 3 models
@@ -176,7 +177,7 @@ def test_cli_flags_an_exact_mode_that_changed_answers(tmp_path, capsys):
 
 
 def test_modes_are_listed_by_replay_length():
-    from evals.findings import _sorted
+    from analysis.tables import _sorted
     modes = ["replay=exact", "replay=16", "turn=2,policy=suffix_only,replay=8", "replay=4",
              "full", "replay=1"]
     table = _sorted(pd.DataFrame({"job": "ced", "family": "recall", "x": "all",
@@ -213,7 +214,7 @@ def test_needle_id_features_on_generated_documents():
     generated needle documents (uniform ids and near misses), and a clear error otherwise."""
     import re
     from ced.data import make_example
-    from evals.findings import needle_id_features
+    from analysis.tables import needle_id_features
     seen = set()
     for seed in range(60):
         for near in (0, 2):
@@ -237,7 +238,7 @@ def test_needle_id_features_on_generated_documents():
 
 
 def test_needle_id_table_slices_accuracy_and_reads_the_wrong_answers():
-    from evals.findings import needle_id_table
+    from analysis.tables import needle_id_table
     docs = pd.DataFrame([
         {"run": f"ced/seed{seed}", "id": doc_id, "shared_suffix": shared,
          "one_digit_away": shared == 2, "codes": [code],
@@ -275,7 +276,7 @@ def test_an_exact_mode_that_changes_answers_is_flagged(tmp_path, capsys):
     """replay=exact, and a multi-turn policy that rebuilds every state, must equal `full`;
     one changed answer is flagged, a bounded N (or suffix_only, which the contract does not
     make exact) is not."""
-    from evals.findings import exact_mode_check
+    from analysis.tables import exact_mode_check
     rows = []
     for mode, lost in (("replay=exact", 1), ("replay=4", 3), ("replay=16", 0),
                        ("turn=2,policy=encoder_replay,replay=exact", 2),
@@ -296,7 +297,7 @@ def test_an_exact_mode_that_changes_answers_is_flagged(tmp_path, capsys):
 def test_seed_t_table_is_the_t_interval_of_the_per_seed_differences(tmp_path):
     from scipy import stats
 
-    from evals.findings import seed_t_table, write_seed_t
+    from analysis.tables import seed_t_table, write_seed_t
     drops = pd.DataFrame({"job": ["a", "b", "c"], "difference": [-0.67, 0.0, 0.0],
                           "per_seed_difference": ["-0.560 -0.802 -0.661", "+0.000 -0.000 +0.000",
                                                   None]})

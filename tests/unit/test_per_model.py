@@ -1,4 +1,4 @@
-"""evals.per_model: the trained model as the unit (per-model drops with Holm over competent
+"""analysis.per_model: the trained model as the unit (per-model drops with Holm over competent
 families, the failure rate with its Clopper-Pearson interval, N*), on fabricated suite results
 whose counts are chosen by hand."""
 
@@ -9,7 +9,7 @@ import math
 import pandas as pd
 import pytest
 
-from evals.per_model import failure_rates, model_drops, n_star
+from analysis.per_model import failure_rates, model_drops, n_star
 from evals.suites.stats import binomial_two_sided, clopper_pearson, holm
 
 MARKS = {"L4": {"W": 8, "R_exact": 29}}

@@ -11,8 +11,10 @@ import pandas as pd
 import pytest
 from matplotlib.collections import PolyCollection
 
-from evals import plots, report
-from evals.report import build_report, headline_points, report_scalars
+from analysis import plots as analysis_plots
+from analysis import report
+from evals import plots
+from analysis.report import build_report, headline_points, report_scalars
 
 W, R_EXACT, REPLAYS = 8, 20, [2, 4, 8]
 FAMILIES = ["recall", "copy"]
@@ -54,7 +56,7 @@ def _vertical_at(ax, x: float) -> bool:
 def test_headline_has_a_line_per_family_and_a_band_over_seeds():
     points, marks = _points(seeds=3)
     assert set(points["N"].dropna()) == {*REPLAYS, R_EXACT}      # replay=exact at R_exact
-    fig = plots.headline_figure(points, marks)
+    fig = analysis_plots.headline_figure(points, marks)
     ax = fig.axes[0]
     lines = _family_lines(ax)
     assert sorted(line.get_label() for line in lines) == sorted(FAMILIES)
@@ -69,7 +71,7 @@ def test_headline_has_a_line_per_family_and_a_band_over_seeds():
 
 def test_headline_with_one_seed_has_no_band():
     points, marks = _points(seeds=1)
-    ax = plots.headline_figure(points, marks).axes[0]
+    ax = analysis_plots.headline_figure(points, marks).axes[0]
     assert len(_family_lines(ax)) == len(FAMILIES)
     assert not [c for c in ax.collections if isinstance(c, PolyCollection)]
 
@@ -127,7 +129,7 @@ def test_report_leads_with_the_headline_and_collapses_the_divergence_table(tmp_p
 def test_report_scalars_reuse_the_suite_and_divergence_scalars(tmp_path):
     study = tmp_path / "study"
     _write_study(study, seeds=1)
-    from evals.report import load_divergence, load_suite
+    from analysis.report import load_divergence, load_suite
     suite, _, _ = load_suite(study)
     scalars = report_scalars(suite, load_divergence(study), pd.DataFrame())
     assert scalars["acc/ced/seed0/recall/replay=2"] == pytest.approx(0.3)

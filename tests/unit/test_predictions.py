@@ -1,4 +1,4 @@
-"""A registered prediction is checked against a fabricated git history (evals.predictions):
+"""A registered prediction is checked against a fabricated git history (analysis.predictions):
 committed before the study's first run and only appended to after it, or flagged."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from evals import findings, predictions
+from analysis import findings, predictions
 
 PATH = Path("findings/predictions/toy.md")
 TEXT = "# Prediction: toy\n\n1. N = W loses more than 0.1 at rung 3.\n"

@@ -1,4 +1,4 @@
-"""The uncensored suite: its generator realises the requested span starts, and evals.reach
+"""The uncensored suite: its generator realises the requested span starts, and analysis.reach
 computes competence, N*(d), the margin and a model's N* per bin on fabricated outcomes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from ced import ModelConfig, exact_replay_length
-from evals import reach
+from analysis import reach
 from evals.suites.families import SuiteSettings, build_documents, uncensored_span_starts
 
 

@@ -181,7 +181,7 @@ def test_divergence_replays_resolve_per_model():
 
 def test_report_mode_replay_parses_with_evals_modes():
     from evals.modes import parse_mode
-    from evals.report import mode_replay
+    from analysis.report import mode_replay
     from evals.suites.runner import suite_modes
     base, turn = suite_modes(CED, [2, 4], [3])
     for mode in base:

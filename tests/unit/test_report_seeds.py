@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from ced.tracking import checkpoint_label
-from evals.report import file_label, seed_spread
+from analysis.report import file_label, seed_spread
 
 
 def test_labels_keep_seeds_apart():
@@ -38,7 +38,7 @@ def test_seed_spread_over_seeds_of_one_job():
 def test_report_drops_pair_within_seeds_and_pool_over_them(tmp_path):
     """Two seeds, each with a drop too small to be significant alone (exact McNemar p = 0.125
     and 0.0625), that pooled over seeds is (p = 0.004): the report lists it, seeds beside."""
-    from evals.report import pooled_drops
+    from analysis.report import pooled_drops
     for seed, losses in ((0, 4), (1, 5)):
         rows = []
         for i in range(20):
@@ -66,8 +66,8 @@ def test_training_loss_is_tabulated_and_plotted_like_with_like():
     show a falling training loss beside a validation loss of 14 nats)."""
     import pandas as pd
 
-    from evals import plots
-    from evals.report import training_table
+    from analysis import plots
+    from analysis.report import training_table
     metrics = pd.DataFrame([{"step": 1, "loss": 2.0},
                             {"step": 2, "loss": 0.1, "val/loss": 14.3, "val/answer_loss": 0.2,
                              "val/acc/copy": 1.0}])

@@ -1,4 +1,4 @@
-"""evals.scaling on a fabricated scaling study whose KL at N = W follows a known power law in
+"""analysis.scaling on a fabricated scaling study whose KL at N = W follows a known power law in
 the inexact layers L_d - 1 and W (and is round-off for L_d = 1, where N = W >= R_exact): the fit
 leaves the exact job out, recovers the exponents, the extrapolation and its band bracket the
 truth, the accuracy drops are pooled per job, and the command line writes its outputs."""
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from ced import ModelConfig
-from evals.scaling import extrapolate, fit_power_law, geometry, main, points
+from analysis.scaling import extrapolate, fit_power_law, geometry, main, points
 
 GRID = [(1, 16), (2, 16), (3, 16), (2, 8), (2, 32)]          # (L_d, W) per job
 

@@ -12,10 +12,10 @@ reason. `check(repo, path, invocations)` says whether the record shows that:
                tree holds no uncommitted change to it
 
 An edit after registration (a changed or removed line, a rewrite) is listed with its commit,
-date and subject, and the prediction is flagged. `python -m evals.findings` runs the check for
+date and subject, and the prediction is flagged. `python -m analysis.findings` runs the check for
 the study it reads and writes `prediction_check.json` beside its tables.
 
-    python -m evals.predictions findings/predictions/ladder.md --provenance findings/ladder/provenance.json
+    python -m analysis.predictions findings/predictions/ladder.md --provenance findings/ladder/provenance.json
 """
 
 from __future__ import annotations
@@ -170,12 +170,12 @@ def prediction_for(repo: Path, study: str) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.predictions", description=(
+    parser = argparse.ArgumentParser(prog="python -m analysis.predictions", description=(
         "Check that a registered prediction was committed before the study's first run and "
         "only appended to after it."))
     parser.add_argument("prediction", help="findings/predictions/<study>.md")
     parser.add_argument("--provenance", required=True, help=(
-        "the study's provenance.json (evals.findings) or summary.json (the study driver)"))
+        "the study's provenance.json (analysis.findings) or summary.json (the study driver)"))
     parser.add_argument("--repo", default=".", help="the git repository (default: .)")
     args = parser.parse_args(argv)
     try:

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from .config import (LayerSpec, ModelConfig, build_plan, default_hidden_tail, executed_ff_dim,
-                     exact_replay_length, global_read_is_masked, keep_from, paper_replay_length,
-                     resolve_replay)
-from .storage import StorageFormat, parse_storage
+from ..config import (LayerSpec, ModelConfig, build_plan, default_hidden_tail, executed_ff_dim,
+                      exact_replay_length, global_read_is_masked, keep_from, paper_replay_length,
+                      resolve_replay)
+from ..storage import StorageFormat, parse_storage
 
 COUNTINGS = ("executed", "causal")
 DEFAULT_DTYPE = "fp32"
@@ -935,8 +935,3 @@ def _render_kv(rep: dict[str, Any]) -> list[str]:
                      f"{len(causal)} layers = {len(causal) * kv['window_position_bytes']} B "
                      f"per token")
     return lines
-
-
-if __name__ == "__main__":     # python -m ced.cost: the application in ced/cli/cost.py
-    from ced.cli.cost import main
-    main()

@@ -1,6 +1,6 @@
-"""The trend of bounded replay's cost with decoder depth and window: `python -m evals.scaling`.
+"""The trend of bounded replay's cost with decoder depth and window: `python -m analysis.scaling`.
 
-    python -m evals.scaling --study outputs/studies/scaling --out findings/scaling \
+    python -m analysis.scaling --study outputs/studies/scaling --out findings/scaling \
         [--target-layers 20 --target-window 128]
 
 Reads a finished `scaling` study (jobs that differ in the decoder depth L_d and the window W;
@@ -43,7 +43,7 @@ from ced.checkpoint import load_config
 from ced.config import exact_replay_length
 
 from . import plots
-from .findings import FULL, load_results, paired_difference
+from .tables import FULL, load_results, paired_difference
 
 METRICS = ("kl_first", "kl_answer")
 
@@ -229,7 +229,7 @@ def write(study: Path, out: Path, layers: int = 20, window: int = 128,
     (out / "fit.json").write_text(json.dumps(result, indent=1) + "\n")
     plots.save(plots.scaling_figure(table, fits, target), out / "scaling.png")
     (out / "scaling.md").write_text(
-        "# Trend of bounded replay's cost with L_d and W (python -m evals.scaling)\n\n"
+        "# Trend of bounded replay's cost with L_d and W (python -m analysis.scaling)\n\n"
         + "\n\n".join(result["statement"]) + "\n")
     return result
 

@@ -35,18 +35,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch,
-                         atomic_directory, check_training_checkpoint, commit_directory,
-                         directory_bytes, first_non_finite, guarded_write, read_json,
-                         remove_orphans, save_model)
-from .config import ModelConfig
-from .data import ByteTokenizer, answer_accuracy, build_source
-from .attention import current_attention_kernel
-from .memory import check_static, check_training_memory
-from .model import CEDModel
-from .runlock import DirectoryLocked, directory_lock
-from .signals import StopSignals
-from .train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig
+from ..checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch,
+                          atomic_directory, check_training_checkpoint, commit_directory,
+                          directory_bytes, first_non_finite, guarded_write, read_json,
+                          remove_orphans, save_model)
+from ..config import ModelConfig
+from ..data import ByteTokenizer, answer_accuracy, build_source
+from ..attention import current_attention_kernel
+from ..memory import check_static, check_training_memory
+from ..model import CEDModel
+from ..runlock import DirectoryLocked, directory_lock
+from ..signals import StopSignals
+from ..tracking import log_model_artifact, new_run_id
+from ..train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -261,10 +262,10 @@ def config_changes(cfg: TrainConfig, run_dir: Path) -> dict[str, list]:
     if not path.exists():
         return {}
     try:
-        old = _flat(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+        old = flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     except Exception as exc:     # a damaged config.yaml: name it
         raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__})") from None
-    new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    new = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     changed = {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new))
                if old.get(key) != new.get(key)
                and not any(key == h or (h.endswith(".") and key.startswith(h))
@@ -844,7 +845,7 @@ def _stop_on_signal(run: _Run, step: int, received: str) -> None:
             tracker.mark_preempting()
         tracker.finish(exit_code=code)    # a stopped run is not "finished" on the dashboard
     raise Stopped(f"training stopped by {received} at step {step} of {t.last_step}; "
-                  f"{_resume_hint(run.run_dir)}", code)
+                  f"{resume_hint(run.run_dir)}", code)
 
 
 def _finish_run(run: _Run, last: dict) -> None:
@@ -854,7 +855,6 @@ def _finish_run(run: _Run, last: dict) -> None:
     if accelerator.is_main_process:
         save_model(accelerator.unwrap_model(run.model), run.run_dir / "final")
         if cfg.logging.wandb:
-            from .tracking import log_model_artifact
             log_model_artifact(accelerator.get_tracker("wandb", unwrap=True),
                                run.run_dir / "final",
                                metadata={"step": cfg.train.last_step,
@@ -866,14 +866,13 @@ def _finish_run(run: _Run, last: dict) -> None:
 def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dict) -> None:
     """Start (or, with an id from a resumed checkpoint, continue) the wandb run, with the full
     config; the id is put into `trainer_state` so that every checkpoint carries it."""
-    from .tracking import new_run_id
     log = cfg.logging
     run_id = trainer_state.get("wandb_run_id") or new_run_id()
     trainer_state["wandb_run_id"] = run_id
     # The effective precision and process count: the config may leave them to accelerate.
     # The attention kernel is process state, not config (both kernels give the same result up
     # to rounding, so it stays out of the config hashes), but it changes summation order.
-    config = {**_flat(asdict(cfg)), "accelerate.mixed_precision": accelerator.mixed_precision,
+    config = {**flatten(asdict(cfg)), "accelerate.mixed_precision": accelerator.mixed_precision,
               "accelerate.num_processes": accelerator.num_processes,
               "attention_kernel": current_attention_kernel(),
               "resume.config_changes": json.dumps(trainer_state.get("config_changes", []))}
@@ -910,11 +909,12 @@ def _on_main(accelerator, decide):
     raise refusals.get(outcome[0], CheckpointError)(outcome[1])
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A nested config dict as {"a.b.c": value}: the dotted keys an override names."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -945,7 +945,8 @@ class _Progress:
 
 # ---- how a stopped run continues ------------------------------------------------------------
 
-def _override_key(item: str) -> str:
+def override_key(item: str) -> str:
+    """The key of a command-line override: `+a.b=1`, `~a.b` -> `a.b`."""
     return item.split("=", 1)[0].lstrip("+~")
 
 
@@ -956,18 +957,13 @@ def resume_command(run_dir: Path) -> str:
     given = []
     if HydraConfig.initialized():
         given = [o for o in HydraConfig.get().overrides.task
-                 if _override_key(o) not in ("train.resume", "hydra.run.dir", "train.overwrite")]
+                 if override_key(o) not in ("train.resume", "hydra.run.dir", "train.overwrite")]
     return " ".join(["python -m ced.train", *given, "train.resume=auto",
                      f"hydra.run.dir={run_dir}"])
 
 
-def _resume_hint(run_dir: Path) -> str:
+def resume_hint(run_dir: Path) -> str:
     """'the last checkpoint is X; resume with: <command>' for a stopped run."""
     saved = checkpoint_dirs(run_dir)
     last = saved[-1] if saved else "none yet (a resume starts from step 0)"
     return f"the last checkpoint is {last}; resume with: {resume_command(run_dir)}"
-
-
-if __name__ == "__main__":     # python -m ced.train: the application in ced/cli/train.py
-    from ced.cli.train import main
-    main()

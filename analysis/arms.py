@@ -1,13 +1,13 @@
-"""Job against job: the arms of a study compared with each other (`arms.csv` of evals.findings).
+"""Job against job: the arms of a study compared with each other (`arms.csv` of analysis.findings).
 
-`python -m evals.findings` compares each replay mode with `full` within a job; an ablation asks
+`python -m analysis.findings` compares each replay mode with `full` within a job; an ablation asks
 another question: does k4 lose less than k2, does replay simulation help? This module answers
 it for every pair of jobs the study compares:
 
 - by default every two jobs whose training settings differ in exactly one key (`job_settings`:
   the overrides the driver recorded in each run's study_step.json, else the runs' config.yaml),
   e.g. `model.topk: 2 -> 4`;
-- and any pair asked for by name (`evals.findings --compare FROM:TO`; evals.depth asks for each
+- and any pair asked for by name (`analysis.findings --compare FROM:TO`; analysis.depth asks for each
   depth's `no_sim` against its `sim`, whose settings differ in two keys).
 
 For each pair (from, to), family and mode both jobs ran (pooled over the family's distances),
@@ -41,6 +41,7 @@ from pathlib import Path
 import pandas as pd
 
 from ced.records import DamagedRecord, read_json
+from evals.modes import mode_order, replay_of
 from evals.suites.stats import (bootstrap_means, crossed_difference, hierarchical_bootstrap,
                                 percentile_interval, welch_p)
 
@@ -214,10 +215,8 @@ def compare_values(before: pd.Series, after: pd.Series, resamples: int = RESAMPL
 def arms_table(results: pd.DataFrame, pairs: list[tuple[str, str, str]], marks: dict,
                resamples: int = RESAMPLES) -> pd.DataFrame:
     """arms.csv (see module doc): one row per pair x family x mode x metric, for the modes and
-    families both jobs ran. `results`: `evals.findings.load_results`; `marks`: per job W and
-    R_exact (`evals.findings.geometry`), for N (NaN where the two jobs' N differ)."""
-    from evals.findings import _mode_order as mode_order
-    from evals.findings import replay_of
+    families both jobs ran. `results`: `analysis.tables.load_results`; `marks`: per job W and
+    R_exact (`analysis.tables.geometry`), for N (NaN where the two jobs' N differ)."""
     if not pairs:
         return pd.DataFrame(columns=COLUMNS)
     values = metric_values(results[results["job"].isin({j for p in pairs for j in p[:2]})])

@@ -1,11 +1,11 @@
-"""How far back each model reads its evidence, and what replay keeps it: `python -m evals.reach`.
+"""How far back each model reads its evidence, and what replay keeps it: `python -m analysis.reach`.
 
-    python -m evals.reach --study outputs/studies/ladder --out findings/ladder \
+    python -m analysis.reach --study outputs/studies/ladder --out findings/ladder \
         [--erf findings/ladder/archive/erf_shares.csv]
 
 Reads a finished study whose suite ran the running families on a grid of span starts that
 reaches past R_exact (`suite.options.span_grid: uncensored`, `evals.suites.families
-.uncensored_span_starts`) and, beside the seed-pooled tables of `evals.findings` (run first,
+.uncensored_span_starts`) and, beside the seed-pooled tables of `analysis.findings` (run first,
 into the same --out), writes the trained model as the unit, one distance bin at a time:
 
   bins.csv     per model x family x span start d (a bin): examples, `full` accuracy, whether
@@ -23,7 +23,7 @@ into the same --out), writes the trained model as the unit, one distance bin at 
                --erf, its share of decoder influence beyond W
   cells.csv    per job: models, N* (median, min, max) and the largest competent d, the drop at
                N = W inside and beyond with the example-level 95% CI (Agresti-Min over the
-               pooled pairs) and the model-level one (`evals.findings.model_level_columns`:
+               pooled pairs) and the model-level one (`analysis.tables.model_level_columns`:
                a bootstrap over models and their documents), the failures beyond W with an
                exact Clopper-Pearson CI, recall and the influence share beyond W
   steps.csv    job against job (each job against the next, and --compare pairs): the change
@@ -33,7 +33,7 @@ into the same --out), writes the trained model as the unit, one distance bin at 
   drop_at_W.png   the drop at N = W inside and beyond per job, models as points, with the
                model-level CI
   reach.md     the tables in Markdown, with the provenance and the prediction check of
-               `evals.findings`
+               `analysis.findings`
 
 A model's N* is censored by its own reach, not by the suite's: a bin where `full` is below
 COMPETENT says nothing of replay, and models.csv says how far the competent bins go.
@@ -43,16 +43,20 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from evals import findings, plots
-from evals.per_model import COMPETENT, FAIL_MIN_DROP, STAR_MAX_DROP
+from evals.cli import list_written
+from evals.erf import erf_shares
+from evals.modes import replay_of
+from evals.plots import save
 from evals.suites.stats import binomial_two_sided, clopper_pearson, welch_p
+
+from . import findings, publish, tables
+from .per_model import COMPETENT, FAIL_MIN_DROP, STAR_MAX_DROP
 
 RUNNING = ("running_count", "running_bracket")
 RECALL = "recall"
@@ -67,7 +71,7 @@ def paired_outcomes(results: pd.DataFrame, marks: dict,
     full = part[part["mode"] == FULL][["job", "train_seed", "family", "id", "x", "correct"]]
     full = full.rename(columns={"correct": "full"})
     rows = part[part["mode"] != FULL].copy()
-    rows["N"] = [findings.replay_of(m, marks.get(j, {}).get("R_exact"))
+    rows["N"] = [replay_of(m, marks.get(j, {}).get("R_exact"))
                  for j, m in zip(rows["job"], rows["mode"])]
     rows = rows[rows["N"].notna()]
     rows = rows.merge(full, on=["job", "train_seed", "family", "id", "x"], how="inner")
@@ -170,9 +174,9 @@ def cell_table(paired: pd.DataFrame, models: pd.DataFrame, bins: pd.DataFrame,
                "largest_competent_d_median": float(mine["largest_competent_d"].median())}
         for side, part in (("inside", at_w[at_w["d"] <= w]), ("beyond", at_w[at_w["d"] > w])):
             pairs = _pairs(part)
-            _, low, high = findings.paired_difference(pairs["b"], pairs["c"], pairs["n"])
+            _, low, high = tables.paired_difference(pairs["b"], pairs["c"], pairs["n"])
             diffs = part.set_index(["seed", "id"])["diff"]
-            level = findings.model_level_columns(diffs) if len(diffs) else {
+            level = tables.model_level_columns(diffs) if len(diffs) else {
                 "seeds": 0, "seed_ci_low": math.nan, "seed_ci_high": math.nan}
             row.update({f"drop_{side}": pairs["drop"], f"ci_low_{side}": low,
                         f"ci_high_{side}": high, f"models_{side}": level["seeds"],
@@ -287,14 +291,13 @@ def drop_figure(models: pd.DataFrame, cells: pd.DataFrame) -> Figure | None:
 
 def read_erf(path: Path | None) -> pd.DataFrame | None:
     """Per model: the share of decoder influence at distance >= W, from an `evals.erf` output
-    directory or an archived erf_shares.csv (`evals.depth.erf_shares`)."""
+    directory or an archived erf_shares.csv (`evals.erf.erf_shares`)."""
     if path is None:
         return None
-    from evals.depth import erf_shares
     table = pd.read_csv(path) if path.is_file() else erf_shares(path)
     if "share_beyond_W" not in table:
         raise ValueError(f"--erf {path}: no share_beyond_W column (an evals.erf output "
-                         f"directory, or the erf_shares.csv of evals.archive --erf)")
+                         f"directory, or the erf_shares.csv of analysis.archive --erf)")
     return table[["job", "seed", "share_beyond_W"]]
 
 
@@ -302,8 +305,8 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
           compare: list[tuple[str, str]] | None = None) -> dict:
     """Every table and figure of the module doc into `out`; returns {name: path}."""
     written = findings.write_findings(study, out, alpha)
-    results = findings.load_results(study)
-    marks = findings.geometry(study)
+    results = tables.load_results(study)
+    marks = tables.geometry(study)
     paired = paired_outcomes(results, marks)
     if paired.empty:
         raise ValueError(f"{study}: no running_count / running_bracket results with a replay "
@@ -319,9 +322,9 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
         table.to_csv(written[name], index=False, float_format="%.6g")
     for name, figure in (("margin", margin_figure(bins)), ("drop_at_W", drop_figure(models, cells))):
         if figure is not None:
-            written[name] = plots.save(figure, out / f"{name}.png", dpi=110)
+            written[name] = save(figure, out / f"{name}.png", dpi=110)
     written["reach"] = out / "reach.md"
-    written["reach"].write_text(_markdown(cells, models, steps, findings.provenance(study)))
+    written["reach"].write_text(_markdown(cells, models, steps, publish.provenance(study)))
     return written
 
 
@@ -331,25 +334,25 @@ def _markdown(cells: pd.DataFrame, models: pd.DataFrame, steps: pd.DataFrame,
              "Drops at N = W on competent bins (full >= 0.9 per bin), inside (d <= W) and "
              "beyond (d > W) the replay; example CI Agresti-Min, model CI the bootstrap over "
              "models and documents. N* is censored at each model's largest competent d.", "",
-             findings._markdown(cells, [c for c in (
+             publish.markdown(cells, [c for c in (
                  "job", "W", "R_exact", "models", "horizon", "largest_competent_d_median",
                  "N_star_median", "N_star_min", "N_star_max", "drop_inside", "seed_ci_low_inside",
                  "seed_ci_high_inside", "drop_beyond", "ci_low_beyond", "ci_high_beyond",
                  "seed_ci_low_beyond", "seed_ci_high_beyond", "failed_beyond", "judged_beyond",
                  "recall_full_mean", "share_beyond_W_mean") if c in cells]), "",
              "## Per model", "",
-             findings._markdown(models, [c for c in (
+             publish.markdown(models, [c for c in (
                  "job", "seed", "N_star", "largest_competent_d", "horizon", "competent_bins",
                  "drop_inside", "drop_beyond", "fails_beyond", "recall_full", "share_beyond_W")
                  if c in models]), "",
              "## Job against job (models as the unit; bootstrap CI over models, Welch p)", "",
-             findings._markdown(steps, list(steps.columns)) if not steps.empty else "(one job)\n",
+             publish.markdown(steps, list(steps.columns)) if not steps.empty else "(one job)\n",
              "", "## Provenance", ""]
-    return "\n".join(lines + findings._provenance_markdown(info))
+    return "\n".join(lines + publish.provenance_markdown(info))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.reach", description=(
+    parser = argparse.ArgumentParser(prog="python -m analysis.reach", description=(
         "Per distance bin and per model: competence, N*(d), the margin N*(d) - d, N* and the "
         "largest competent d, and the drop at N = W inside and beyond the replay, of a study "
         "read with the uncensored suite."))
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (sep and a and b):
             parser.error(f"--compare: expected JOB_A:JOB_B, got {item!r}")
         pairs.append((a, b))
-    return findings.list_written("reach", lambda: write(Path(args.study), Path(args.out), erf,
+    return list_written("reach", lambda: write(Path(args.study), Path(args.out), erf,
                                                         args.alpha, pairs),
                                  errors=(FileNotFoundError, ValueError))
 

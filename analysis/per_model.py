@@ -1,7 +1,7 @@
 """The trained model as the unit: per-model drops, the failure rate at N = W, and N*.
 
 A study trains every job once per seed; each (job, seed) is one trained model. The tables of
-`evals.findings` pool a job's seeds; the ones here keep them apart, because the question a lab
+`analysis.findings` pool a job's seeds; the ones here keep them apart, because the question a lab
 asks of bounded replay ("what share of models trained this way lose accuracy at N = W?") is a
 question about models, not examples:
 
@@ -33,6 +33,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from evals.modes import replay_of
 from evals.suites.stats import binomial_two_sided, clopper_pearson, holm
 
 FULL = "full"
@@ -44,11 +45,10 @@ STAR_MAX_KL = 0.01       # ... and an answer KL of at most 0.01 nats
 
 def model_drops(results: pd.DataFrame, marks: dict, alpha: float = 0.05) -> pd.DataFrame:
     """Per model (job x train_seed) x family x single-turn replay mode, pooled over distances
-    (see module doc). `results`: `evals.findings.load_results`; `marks`: per job {"W",
-    "R_exact"} (`evals.findings.geometry`). Columns: job, seed, family, mode, N, n, acc_full,
+    (see module doc). `results`: `analysis.tables.load_results`; `marks`: per job {"W",
+    "R_exact"} (`analysis.tables.geometry`). Columns: job, seed, family, mode, N, n, acc_full,
     competent, acc_mode, difference, full_only, mode_only, p_value, p_holm, kl_answer, fails.
     Multi-turn and other non-replay modes are left out (N undefined)."""
-    from evals.findings import replay_of
     rows = []
     for (job, seed, family), part in results.groupby(["job", "train_seed", "family"], sort=True):
         full = part[part["mode"] == FULL].set_index("id")["correct"].astype(bool)

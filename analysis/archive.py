@@ -1,11 +1,11 @@
 """A study's results in a form small enough to commit, so that a study can grow across
-machines and sessions whose `outputs/` do not survive: `python -m evals.archive`.
+machines and sessions whose `outputs/` do not survive: `python -m analysis.archive`.
 
-    python -m evals.archive --study outputs/studies/depth --into findings/depth/archive
+    python -m analysis.archive --study outputs/studies/depth --into findings/depth/archive
 
 A study directory holds per model a suite `results.csv` (one row per example and mode, megabytes
 at the findings scale) and its checkpoints. The archive keeps, per model, what the statistics
-of `evals.findings` and `evals.depth` need, as a skeleton study directory:
+of `analysis.findings` and `analysis.depth` need, as a skeleton study directory:
 
     suite/<job>/seed<k>/cells.csv      per family x x x mode: n examples, how many `full` and
                                        the mode answered right, the discordant pairs
@@ -23,7 +23,7 @@ of `evals.findings` and `evals.depth` need, as a skeleton study directory:
     summary.json                       the driver's invocations (command, commit, time) and
                                        step times, merged over every archived study directory
 
-`evals.findings.load_results` reads `outcomes.csv.gz` where there is no `results.csv` (the
+`analysis.tables.load_results` reads `outcomes.csv.gz` where there is no `results.csv` (the
 same per-example rows, without the prompts), else `cells.csv`, expanding each cell into
 paired examples with the same counts (`expand_cells`): every paired statistic
 (accuracy, McNemar, Agresti-Min, Holm, the hierarchical bootstrap, failures, N*) is unchanged;
@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from evals.erf import erf_shares
 
 CELLS = "cells.csv"
 OUTCOMES = "outcomes.csv.gz"
@@ -124,9 +126,8 @@ def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
 
 def archive_erf(erf_dir: Path, into: Path) -> Path:
     """Per checkpoint of an evals.erf output, the decoder's influence shares beyond W and 2W
-    (`evals.depth.erf_shares`), merged into `into/erf_shares.csv` (a model measured again
+    (`evals.erf.erf_shares`), merged into `into/erf_shares.csv` (a model measured again
     replaces its row)."""
-    from evals.depth import erf_shares
     path = into / "erf_shares.csv"
     new = erf_shares(erf_dir)
     if path.exists():
@@ -157,7 +158,7 @@ def _merge_summary(source: Path, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evals.archive",
+    p = argparse.ArgumentParser(prog="python -m analysis.archive",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--study", required=True, help="a study directory with suite results")
     p.add_argument("--into", required=True, help="the archive (a skeleton study directory)")

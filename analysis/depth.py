@@ -1,16 +1,16 @@
-"""Bounded replay against decoder depth, the trained model as the unit: `python -m evals.depth`.
+"""Bounded replay against decoder depth, the trained model as the unit: `python -m analysis.depth`.
 
-    python -m evals.depth --study outputs/studies/depth --out findings/depth \
+    python -m analysis.depth --study outputs/studies/depth --out findings/depth \
         [--erf findings/depth/erf]
 
 Reads a finished `depth` study (conf/experiment/depth.yaml: ced at several decoder depths L_d,
 each job an arm: trained without (`no_sim`) or with (`sim`) replay simulation) and writes, beside
-the seed-pooled tables of `evals.findings` (which it runs first, into the same --out):
+the seed-pooled tables of `analysis.findings` (which it runs first, into the same --out):
 
   depth.csv        per job: L_d, arm, R_exact, N = W as a share of R_exact, models (trained),
                    competent models per family, the models that fail at N = W with the exact
                    Clopper-Pearson 95% CI of the rate (and those that fail on the documents
-                   whose evidence lies inside the replay, x <= N: `evals.per_model`), the
+                   whose evidence lies inside the replay, x <= N: `analysis.per_model`), the
                    worst competent family's drop at N = W over the models (median, min), and
                    N* per model (median, min, max; as multiples of W and shares of R_exact)
   drop_at_W.csv    per job x family: the drop at N = W pooled over seeds, with its example-level
@@ -19,12 +19,12 @@ the seed-pooled tables of `evals.findings` (which it runs first, into the same -
                    trained both arms): each arm's drop at
                    N = W, the difference sim - no_sim with its example-level CI (paired by
                    document) and model-level CI, Welch's p over the models and the model
-                   counts: the `drop` rows at N = W of evals.findings' arms.csv, which
+                   counts: the `drop` rows at N = W of analysis.findings' arms.csv, which
                    compares each depth's `no_sim` job with its `sim` job (`arm_pairs`)
   failure_vs_depth.png   the failure rate at N = W against L_d per arm, with its exact CI
   n_star_vs_depth.png    N*/W and N*/R_exact against L_d, one point per model
   mechanism.csv, mechanism.png   (with --erf: a DIR written by `python -m evals.erf` over the
-                   study's checkpoints, or the erf_shares.csv of an `evals.archive`) per model,
+                   study's checkpoints, or the erf_shares.csv of an `analysis.archive`) per model,
                    the share of the decoder's gradient influence at distance >= W and >= 2W
                    beside N*, and Spearman's rank correlation of each share with N* over every
                    model and within each depth
@@ -35,7 +35,7 @@ the seed-pooled tables of `evals.findings` (which it runs first, into the same -
 
 A model fails at N = W when, on a family where it is competent (full >= 0.9), its drop is
 significant after Holm correction over those families and larger than 1 point
-(`evals.per_model`).
+(`analysis.per_model`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,12 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from evals import findings, per_model, plots
+from evals.cli import list_written
+from evals.erf import erf_shares
+from evals.plots import save
 from evals.suites.stats import clopper_pearson
+
+from . import findings, publish, tables
 
 ARM_STYLE = {"no_sim": ("tab:red", "o"), "sim": ("tab:blue", "s")}
 
@@ -61,7 +65,7 @@ def _mode_at(n: int) -> str:
 
 
 def depth_table(n_star: pd.DataFrame, drops: pd.DataFrame) -> pd.DataFrame:
-    """Per job (see module doc), from `n_star.csv` and `model_drops.csv` of evals.findings."""
+    """Per job (see module doc), from `n_star.csv` and `model_drops.csv` of analysis.findings."""
     rows = []
     for job, models in n_star.groupby("job", sort=False):
         w, r_exact = models["W"].iloc[0], models["R_exact"].iloc[0]
@@ -119,7 +123,7 @@ def drop_at_w_table(capability: pd.DataFrame, marks: dict, traits: pd.DataFrame)
 
 
 def arm_pairs(traits: pd.DataFrame) -> list[tuple[str, str]]:
-    """(no_sim job, sim job) at each depth that trained both arms, for evals.findings'
+    """(no_sim job, sim job) at each depth that trained both arms, for analysis.findings'
     job-against-job table (the two differ in more than one setting: the replay simulation's
     probability and length)."""
     if traits.empty:
@@ -149,27 +153,6 @@ def arm_test_table(arms: pd.DataFrame, marks: dict, traits: pd.DataFrame) -> pd.
                "drop_no_sim", "drop_sim", "difference", "ci_low", "ci_high", "seed_ci_low",
                "seed_ci_high", "welch_p", "pairing"]
     return table[columns].sort_values(["L_d", "family"], kind="stable").reset_index(drop=True)
-
-
-def erf_shares(erf_dir: Path) -> pd.DataFrame:
-    """Per checkpoint of an evals.erf output: job, seed, and the share of the decoder's total
-    gradient influence (layer-0 input, mean profile over the checkpoint's prompts) at distance
-    >= W and >= 2W (`evals.erf.share_beyond`)."""
-    from evals.erf import share_beyond
-    table = pd.read_csv(erf_dir / "erf.csv")
-    summary = json.loads((erf_dir / "summary.json").read_text())
-    geometry = summary.get("geometry", {})
-    grad = table[(table["view"] == "gradient") & (table["layer"] == "total")
-                 & (table["metric"] == "norm")]
-    rows = []
-    for checkpoint, part in grad.groupby("checkpoint"):
-        job, seed = findings._checkpoint_label(checkpoint)
-        w = geometry.get(job, {}).get("W")
-        profile = part.groupby("distance")["value"].mean()
-        profile = profile.reindex(range(int(profile.index.max()) + 1), fill_value=0.0).to_numpy()
-        rows.append({"job": job, "seed": seed, "share_beyond_W": share_beyond(profile, w),
-                     "share_beyond_2W": share_beyond(profile, 2 * w)})
-    return pd.DataFrame(rows)
 
 
 def mechanism_table(shares: pd.DataFrame, n_star: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
@@ -333,8 +316,8 @@ def mechanism_figure(table: pd.DataFrame) -> Figure | None:
 # ---- the whole run ----------------------------------------------------------------------------
 
 def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) -> dict:
-    """evals.findings into `out`, then the depth tables and figures; returns the paths."""
-    traits = findings.run_traits(study)
+    """analysis.findings into `out`, then the depth tables and figures; returns the paths."""
+    traits = tables.run_traits(study)
     written = findings.write_findings(study, out, alpha, compare=arm_pairs(traits))
     if "n_star" not in written:
         raise FileNotFoundError(f"{study}: no per-model replay results (is it a depth study "
@@ -342,7 +325,7 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
     n_star = pd.read_csv(written["n_star"])
     drops = pd.read_csv(written["model_drops"])
     capability = pd.read_csv(written["capability_drop"], dtype={"x": str})
-    marks = findings.geometry(study)
+    marks = tables.geometry(study)
     depth = depth_table(n_star, drops)
     at_w = drop_at_w_table(capability, marks, traits)
     arm_test = arm_test_table(pd.read_csv(written["arms"]) if "arms" in written
@@ -356,7 +339,7 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
     for name, figure in (("failure_vs_depth", failure_figure(depth)),
                          ("n_star_vs_depth", n_star_figure(n_star))):
         if figure is not None:
-            paths[name] = plots.save(figure, out / f"{name}.png", title_room=True)
+            paths[name] = save(figure, out / f"{name}.png", title_room=True)
     extrapolation = extrapolation_table(n_star[n_star["arm"].isin(ARM_STYLE)])
     if not extrapolation.empty:
         paths["extrapolation"] = out / "extrapolation.csv"
@@ -371,7 +354,7 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05) 
         (out / "mechanism.json").write_text(json.dumps(stats, indent=1) + "\n")
         figure = mechanism_figure(mechanism)
         if figure is not None:
-            paths["mechanism_png"] = plots.save(figure, out / "mechanism.png", title_room=True)
+            paths["mechanism_png"] = save(figure, out / "mechanism.png", title_room=True)
     paths["depth_md"] = out / "depth.md"
     paths["depth_md"].write_text(_depth_markdown(depth, at_w, n_star, extrapolation, stats,
                                                  arm_test))
@@ -382,9 +365,9 @@ def _depth_markdown(depth: pd.DataFrame, at_w: pd.DataFrame, n_star: pd.DataFram
                     extrapolation: pd.DataFrame, stats: dict,
                     arm_test: pd.DataFrame) -> str:
     """depth.md: the tables of `write` under headings that say what they are."""
-    md = ["# Bounded replay against decoder depth (python -m evals.depth)", "",
+    md = ["# Bounded replay against decoder depth (python -m analysis.depth)", "",
           "## Per job: failures at N = W (Clopper-Pearson 95% CI) and N*", "",
-          findings._markdown(depth, ["job", "arm", "L_d", "R_exact", "W_over_R_exact", "models",
+          publish.markdown(depth, ["job", "arm", "L_d", "R_exact", "W_over_R_exact", "models",
                                      "competent", "judged", "failed_at_W", "fail_rate",
                                      "fail_rate_low", "fail_rate_high", "failed_inside_at_W",
                                      "fail_inside_low", "fail_inside_high", "drop_at_W_median",
@@ -392,18 +375,18 @@ def _depth_markdown(depth: pd.DataFrame, at_w: pd.DataFrame, n_star: pd.DataFram
                                      "N_star_max", "N_star_over_W_median",
                                      "N_star_over_R_exact_median"]),
           "## The drop at N = W per family (pooled over seeds; example- and seed-level CIs)", "",
-          findings._markdown(at_w, [c for c in at_w.columns if c != "per_seed_difference"]),
+          publish.markdown(at_w, [c for c in at_w.columns if c != "per_seed_difference"]),
           "## Replay simulation against none at each depth: the drop at N = W, sim - no_sim "
           "(example-level CI paired by document; model-level CI and Welch p over the models)",
-          "", findings._markdown(arm_test, list(arm_test.columns)) if not arm_test.empty
+          "", publish.markdown(arm_test, list(arm_test.columns)) if not arm_test.empty
           else "(no depth with both arms)\n",
           "## N* per model", "",
-          findings._markdown(n_star, ["job", "arm", "seed", "L_d", "R_exact", "N_star",
+          publish.markdown(n_star, ["job", "arm", "seed", "L_d", "R_exact", "N_star",
                                       "drop_at_W", "failed_at_W"])]
     if not extrapolation.empty:
         md += ["## Extrapolation of N*/W to deeper decoders (least squares in log L_d, "
                "models resampled within depth)", "",
-               findings._markdown(extrapolation, ["arm", "L_d", "depths", "models", "slope",
+               publish.markdown(extrapolation, ["arm", "L_d", "depths", "models", "slope",
                                                   "slope_low", "slope_high", "N_star_over_W",
                                                   "N_star_over_W_low", "N_star_over_W_high",
                                                   "N_star", "R_exact", "N_star_over_R_exact",
@@ -417,7 +400,7 @@ def _depth_markdown(depth: pd.DataFrame, at_w: pd.DataFrame, n_star: pd.DataFram
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evals.depth",
+    p = argparse.ArgumentParser(prog="python -m analysis.depth",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--study", required=True, help="a depth study directory")
     p.add_argument("--out", required=True, help="output directory (e.g. findings/depth)")
@@ -427,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=0.05)
     args = p.parse_args(argv)
     erf = Path(args.erf) if args.erf else None
-    return findings.list_written("depth", lambda: write(Path(args.study), Path(args.out), erf,
+    return list_written("depth", lambda: write(Path(args.study), Path(args.out), erf,
                                                         args.alpha))
 
 

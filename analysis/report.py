@@ -1,13 +1,13 @@
 """A study's report, built from its run directories (not from wandb):
 
-    python -m evals.report <study_dir> [--no-wandb] [--wandb-group G] [--wandb-project P]
+    python -m analysis.report <study_dir> [--no-wandb] [--wandb-group G] [--wandb-project P]
 
 Reads `runs/<job>/seed<k>/metrics.jsonl` and `final/config.json` (runs are labelled
 `<job>/seed<k>`, so seeds stay apart; a `runs/<job>/` holding a run itself is labelled
 `<job>`), `divergence/summary.json`, `suite/<job>/seed<k>[@topk=K]/summary.json` and
 `results.csv` (capability drops are tested on examples paired within each seed and pooled over
-seeds, as in `evals.findings`; jobs one training setting apart are compared with each other
-as in its arms.csv, `evals.arms`), `summary.json` (the driver's step status) and
+seeds, as in `analysis.findings`; jobs one training setting apart are compared with each other
+as in its arms.csv, `analysis.arms`), `summary.json` (the driver's step status) and
 prices every inference mode with the analytic cost model (`ced.cost.prefill_flops`). Writes into
 `<study_dir>/report/`: PNG plots, `report.md` and `report.html` (self-contained: the PNGs are
 embedded as base64, it opens from disk). The same plots and tables go to a wandb run
@@ -35,6 +35,11 @@ import pandas as pd
 
 from ced.records import DamagedRecord, read_json
 from ced.tracking import checkpoint_label
+from evals import plots as tool_plots
+
+from . import plots
+from .arms import arms_table, job_pairs
+from .tables import capability_drop_table, geometry, load_results
 
 FULL = "full"
 # A family whose exact-model (`full`) accuracy is below this has no competence for bounded
@@ -448,7 +453,7 @@ SECTIONS = [
      "its Agresti-Min 95% CI, exact McNemar p Holm-corrected over the distances of a family; "
      "x = all pools the distances), each seed's difference and p beside.", "capability_drop",
      None, False),
-    ("Arms compared", "Job against job (evals.arms, as arms.csv of evals.findings): every two "
+    ("Arms compared", "Job against job (analysis.arms, as arms.csv of analysis.findings): every two "
      "jobs whose training settings differ in one key, on the same modes and documents; per "
      "family and mode (pooled over distances) the accuracy and the answer KL of each job and "
      "the difference to - from, with its example-level 95% CI (paired by document where both "
@@ -466,10 +471,9 @@ DROP_COLUMNS = ["job", "family", "x", "mode", "n", "acc_full", "acc_mode", "diff
 
 def pooled_drops(study: Path) -> pd.DataFrame:
     """The significant capability drops of a study, tested on examples paired within each seed
-    and pooled over seeds (`evals.findings.capability_drop_table`: x = "all" pools the
+    and pooled over seeds (`analysis.tables.capability_drop_table`: x = "all" pools the
     distances of a family, other rows are single distances, Holm over them), each seed's
     difference and p beside; empty when no suite has run."""
-    from evals.findings import capability_drop_table, load_results
     try:
         drops = capability_drop_table(load_results(Path(study)))
     except FileNotFoundError:
@@ -480,10 +484,8 @@ def pooled_drops(study: Path) -> pd.DataFrame:
 
 
 def arm_comparisons(study: Path) -> pd.DataFrame:
-    """The study's job-against-job table (`evals.arms.arms_table` over the jobs one training
+    """The study's job-against-job table (`analysis.arms.arms_table` over the jobs one training
     setting apart), its accuracy and answer-KL rows; empty without such a pair or a suite."""
-    from evals.arms import arms_table, job_pairs
-    from evals.findings import geometry, load_results
     try:
         results = load_results(Path(study))
     except FileNotFoundError:
@@ -552,16 +554,15 @@ def report_tables(data: StudyData) -> dict[str, pd.DataFrame]:
 def report_plots(data: StudyData, tables: dict, out: Path) -> list[tuple[str, Path, str]]:
     """Draw and save the report's plots (evals.plots); (section, path, caption) of each, the
     headline first."""
-    from . import plots as P
     points, marks = headline_points(data.suite, data.info)
     figures = [
-        ("summary", P.headline_figure(points, marks), "headline_accuracy_vs_N.png",
+        ("summary", plots.headline_figure(points, marks), "headline_accuracy_vs_N.png",
          "Suite accuracy (pooled over distances) against the replay length N, a line per "
          "family: mean over seeds, band min-max over seeds; dashed: full (the exact model); "
          "vertical lines: window W (purple) and R_exact (brown)."),
-        ("training", P.training_figure(data.runs), "training_curves.png",
+        ("training", plots.training_figure(data.runs), "training_curves.png",
          "Training (solid) and validation (dashed) loss."),
-        ("divergence", P.divergence_figure(data.div), "divergence_vs_N.png",
+        ("divergence", tool_plots.divergence_figure(data.div), "divergence_vs_N.png",
          "KL(exact || replay N) and top-1 agreement at the first generated token against N, "
          "mean and bootstrap 95% CI over prompts."),
     ]
@@ -570,24 +571,23 @@ def report_plots(data: StudyData, tables: dict, out: Path) -> list[tuple[str, Pa
                         f"accuracy_{file_label(label)}.png",
                         f"{label}: edge-case suite accuracy against the fact's distance, per "
                         "family and inference mode."))
-    figures.append(("frontier", P.frontier_figure(tables["cost_quality"]),
+    figures.append(("frontier", plots.frontier_figure(tables["cost_quality"]),
                     "cost_quality_frontier.png",
                     "Analytic prefill FLOPs of each mode against the suite's mean accuracy."))
-    figures.append(("arms", P.arms_figure(data.arms), "arms.png",
+    figures.append(("arms", plots.arms_figure(data.arms), "arms.png",
                     "Job against job: the difference to - from in accuracy and in answer KL "
                     "against N, with the model-level 95% CI; dashed: full."))
-    return [(section, P.save(fig, out / name, dpi=90 if section == "accuracy" else 100,
+    return [(section, plots.save(fig, out / name, dpi=90 if section == "accuracy" else 100,
                              title_room=section in ("accuracy", "summary", "divergence")),
              caption) for section, fig, name, caption in figures if fig is not None]
 
 
 def _suite_accuracy_figure(data: StudyData, label: str):
     """One suite run's accuracy against distance (families swept over distance, at most 9)."""
-    from . import plots as P
     suite = data.suite
     part = suite[(suite["label"] == label) & (suite["x_name"] == "distance")]
     settings = data.info[label]["settings"]
-    return P.accuracy_figure(
+    return tool_plots.accuracy_figure(
         part, replays=settings["replays"], window=settings["window"],
         r_exact=settings.get("r_exact"), max_families=9,
         title=f"{label}: accuracy against distance (a fact at distance > N lies before the "
@@ -755,7 +755,7 @@ def _log_wandb(group: str, out: Path, plots, tables: dict, config: dict | None =
 
 def main(argv=None) -> int:
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m evals.report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study_dir")
     parser.add_argument("--no-wandb", action="store_true")
