@@ -1,0 +1,97 @@
+"""analysis.laws on fabricated per-model tables: the law that generated N* wins the held-out
+comparison, the held-out prediction is the fit on the other cells (checked by hand), and the
+model-level CI narrows with more models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import laws
+
+# cells of the encoder and W study: (job, W, L_d); R_exact = L_d (W - 1) + 1
+CELLS = [("W8_L4", 8, 4), ("W8_L8", 8, 8), ("W8_L20", 8, 20), ("W16_L8", 16, 8),
+         ("W32_L8", 32, 8)]
+
+
+def fabricated(rule, models_per_cell: int = 4, noise: float = 1.0, seed: int = 0):
+    """A models.csv whose N* follows `rule(W, R_exact)` plus Gaussian noise (sd `noise`)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for job, w, depth in CELLS:
+        r_exact = depth * (w - 1) + 1
+        for s in range(models_per_cell):
+            n_star = rule(w, r_exact) + rng.normal(0, noise)
+            rows.append({"job": job, "seed": s, "W": w, "R_exact": r_exact, "N_star": n_star,
+                         "largest_competent_d": r_exact + rng.normal(0, 3)})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rule,winner", [(lambda w, r: 3 * w, "windows"),
+                                         (lambda w, r: w + 12, "tokens"),
+                                         (lambda w, r: 0.6 * r, "receptive_field")])
+def test_the_generating_law_wins_with_cells_held_out(rule, winner, seed):
+    table, errors = laws.compare(fabricated(rule, seed=seed), resamples=200, seed=seed)
+    best = table.set_index("law")["held_out_rmse"]
+    assert best.idxmin() == winner, table
+    assert table.set_index("law").loc[winner, "best"]
+    # the winner's score is near the noise (sd 1 token a model, 4 models: about 0.5 a cell)
+    assert best[winner] < 2.0
+    # every other law of the three misses by more than the noise
+    for other in ("windows", "tokens", "receptive_field"):
+        if other != winner:
+            assert best[other] > 3 * best[winner], table
+    assert set(errors["job"]) == {c[0] for c in CELLS}
+
+
+def test_a_held_out_prediction_is_the_fit_on_the_other_cells():
+    models = fabricated(lambda w, r: 2 * w + 5, models_per_cell=2, noise=2.0, seed=7)
+    errors = laws.held_out(models, list(laws.LAWS))
+    for job in ("W8_L4", "W32_L8"):
+        rest, cell = models[models.job != job], models[models.job == job]
+        a = (rest.W * rest.N_star).sum() / (rest.W ** 2).sum()       # windows
+        c = (rest.N_star - rest.W).mean()                          # tokens
+        b = (rest.R_exact * rest.N_star).sum() / (rest.R_exact ** 2).sum()
+        expected = {"windows": a * cell.W.mean(), "tokens": cell.W.mean() + c,
+                    "receptive_field": b * cell.R_exact.mean()}
+        for law, value in expected.items():
+            row = errors[(errors.law == law) & (errors.job == job)].iloc[0]
+            assert row.predicted == pytest.approx(value, rel=1e-12)
+            assert row.error == pytest.approx(value - cell.N_star.mean(), rel=1e-12)
+
+
+def test_the_model_level_ci_narrows_with_more_models():
+    def width(n):
+        table, _ = laws.compare(fabricated(lambda w, r: w + 12, models_per_cell=n, noise=4.0),
+                                resamples=300)
+        row = table.set_index("law").loc["tokens"]
+        assert row.rmse_ci_low <= row.held_out_rmse <= row.rmse_ci_high + 1e-9
+        return row.rmse_ci_high - row.rmse_ci_low
+    assert width(16) < width(2)
+
+
+def test_models_without_n_star_are_left_out_and_one_cell_is_refused():
+    models = fabricated(lambda w, r: 3 * w)
+    models.loc[0, "N_star"] = np.nan
+    kept, fitted = laws.usable(models)
+    assert len(kept) == len(models) - 1 and [law.name for law in fitted][-1] == "reach"
+    with pytest.raises(ValueError, match="leaving one cell out needs at least two"):
+        laws.usable(models[models.job == "W8_L4"])
+    with pytest.raises(ValueError, match=r"no column\(s\) \['R_exact'\]"):
+        laws.usable(models.drop(columns="R_exact"))
+    assert "reach" not in [law.name for law in
+                           laws.usable(models.drop(columns="largest_competent_d"))[1]]
+
+
+def test_the_command_writes_its_tables(tmp_path):
+    source = tmp_path / "models.csv"
+    fabricated(lambda w, r: 0.5 * r).to_csv(source, index=False)
+    assert laws.main(["--models", str(source), "--out", str(tmp_path / "out"),
+                      "--resamples", "50"]) == 0
+    table = pd.read_csv(tmp_path / "out" / "laws.csv")
+    assert table.loc[table.best, "law"].item() == "receptive_field"
+    assert (tmp_path / "out" / "laws.png").stat().st_size > 0
+    assert "receptive_field" in (tmp_path / "out" / "laws.md").read_text()
+    assert laws.main(["--models", str(tmp_path / "none.csv"), "--out", str(tmp_path)]) == 2
