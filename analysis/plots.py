@@ -3,7 +3,7 @@
 own figures (divergence, suite accuracy, erf) and the shared layout helpers are evals/plots.py.
 
 Used by `analysis.report` (report.html), `analysis.findings` (accuracy_vs_N.png, kl_vs_N.png,
-arms.png), `analysis.scaling`, `analysis.real_text` and notebooks/analysis.py.
+arms.png), `analysis.scaling`, `analysis.real_text` (training_curves.png) and notebooks/analysis.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from evals.plots import FULL, finish, grid, log2_if_wide, mark_first_geometry, s
 
 __all__ = ["save", "headline_figure", "frontier_figure", "training_figure",
            "findings_accuracy_figure", "findings_divergence_figure", "scaling_figure",
-           "real_text_position_figure", "real_text_class_figure", "arms_figure"]
+           "arms_figure"]
 
 
 def headline_figure(points: pd.DataFrame, marks: Mapping[str, Mapping[str, int | None]],
@@ -256,67 +256,6 @@ def scaling_figure(table: pd.DataFrame, fits: Mapping[str, Mapping], target: Map
                    title=f"{metric} against {'L_d - 1' if axis == depth else axis}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    return fig
-
-
-def real_text_position_figure(position: pd.DataFrame, marks: Mapping[str, Mapping[str, int]]
-                              ) -> Figure | None:
-    """Mean and p99 KL(exact || replay) against the byte's distance from the replay start, one
-    line per checkpoint, one panel per job (`position`: kl_by_position.csv with a job column;
-    marks: per job its W and R_exact, drawn as vertical lines)."""
-    if position.empty:
-        return None
-    jobs = sorted(position["job"].unique())
-    fig, axes = grid(len(jobs), 4.2, 3.2)
-    for ax, job in zip(axes, jobs):
-        for k, (checkpoint, rows) in enumerate(position[position["job"] == job]
-                                               .groupby("checkpoint")):
-            rows = rows.sort_values("distance")
-            positive = rows[rows["kl_mean"] > 0]
-            ax.plot(positive["distance"], positive["kl_mean"], color=f"C{k}", lw=1,
-                    label="mean" if k == 0 else None)
-            p99 = rows[rows["kl_p99"] > 0]
-            ax.plot(p99["distance"], p99["kl_p99"], color=f"C{k}", lw=0.8, ls=":",
-                    label="p99" if k == 0 else None)
-        for name, style in (("W", "--"), ("R_exact", "-.")):
-            if job in marks and marks[job].get(name):
-                ax.axvline(marks[job][name], color="0.5", ls=style, lw=0.8)
-        if (position[position["job"] == job]["kl_mean"] > 0).any():
-            ax.set_yscale("log")
-        else:          # an exact early exit (yoco): every KL is zero
-            ax.text(0.5, 0.5, "KL = 0 at every distance", transform=ax.transAxes,
-                    ha="center", fontsize=8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{job} (W, R_exact dashed)", fontsize=9)
-        ax.set_xlabel("distance from the replay start (bytes)")
-        ax.set_ylabel("KL(exact || replay), nats")
-        ax.legend(fontsize=7)
-    return fig
-
-
-def real_text_class_figure(classes: pd.DataFrame) -> Figure | None:
-    """Mean KL with its CI per replay length N and token class group, one panel per job, from
-    the seed-level rows of kl_by_class.csv."""
-    pooled = classes[classes["level"] == "seeds"]
-    if pooled.empty:
-        return None
-    jobs = sorted(pooled["job"].unique())
-    fig, axes = grid(len(jobs), 4.2, 3.2)
-    for ax, job in zip(axes, jobs):
-        rows = pooled[pooled["job"] == job]
-        for k, (group, part) in enumerate(rows.groupby("group")):
-            part = part.sort_values("N")
-            ax.errorbar(part["N"], part["kl_mean"],
-                        yerr=[(part["kl_mean"] - part["kl_ci_low"]).clip(lower=0),
-                              (part["kl_ci_high"] - part["kl_mean"]).clip(lower=0)],
-                        color=f"C{k}", marker="o", ms=3, lw=1, capsize=2, label=group)
-        if (rows["kl_mean"] > 0).any():
-            ax.set_yscale("log")
-        log2_if_wide(ax, rows["N"])
-        ax.set_title(f"{job}: the G bytes after a replay of N", fontsize=9)
-        ax.set_xlabel("replay length N (bytes)")
-        ax.set_ylabel("mean KL, nats (95% CI)")
-        ax.legend(fontsize=7)
     return fig
 
 
