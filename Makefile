@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup test test-slow demo study bench bench-core bench-train bench-peer bench-learning gpu-check clean
+.PHONY: setup test test-slow demo study bench bench-core bench-train bench-peer bench-study bench-learning gpu-check clean
 
 # Re-created whenever pyproject.toml changes, so a fresh clone needs no manual install step.
 $(VENV)/.installed: pyproject.toml
@@ -50,6 +50,13 @@ bench-train: $(VENV)/.installed
 PEER_ARGS ?=
 bench-peer: $(VENV)/.installed
 	$(PY) benchmarks/peer.py $(PEER_ARGS)
+
+# The studies' own shapes (d_model 64, one thread, fp32; composed as experiment=depth / real_text
+# compose them): ced, dense and swa's training step and eval forward, interleaved, ratios to
+# dense, and a profile of ced's step at L_d = 20 (about 10 minutes) -> benchmarks/results/study.*
+STUDY_BENCH_ARGS ?=
+bench-study: $(VENV)/.installed
+	$(PY) benchmarks/study.py $(STUDY_BENCH_ARGS)
 
 # Learning probe: a plain GPT (learned or rotary positions) and the ced variants on the same
 # synthetic rows; validation exact match against step -> benchmarks/results/learning.*
