@@ -37,7 +37,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -88,11 +88,12 @@ def usable(models: pd.DataFrame) -> tuple[pd.DataFrame, list[Law]]:
     return kept.reset_index(drop=True), laws
 
 
-def held_out(models: pd.DataFrame, laws: list[Law]) -> pd.DataFrame:
+def held_out(models: pd.DataFrame, laws: list[Law], target: str = "N_star") -> pd.DataFrame:
     """Per law and cell: fitted on the other cells' models, the prediction of the cell's mean
-    N* against the observed one. Columns law, job, models, observed, predicted, error."""
+    `target` (N*, or any per-model quantity a law predicts) against the observed one. Columns
+    law, job, models, observed, predicted, error."""
     jobs, cell = np.unique(models["job"].to_numpy(str), return_inverse=True)
-    n_star = models["N_star"].to_numpy(float)
+    n_star = models[target].to_numpy(float)
     rows = []
     for law in laws:
         x = models[law.covariate].to_numpy(float)
@@ -133,16 +134,24 @@ def scores(errors: pd.DataFrame) -> dict[str, tuple[float, float]]:
             for law, part in errors.groupby("law", sort=False)}
 
 
+def within_cells(cell: np.ndarray, resamples: int,
+                 rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """`resamples` bootstrap draws of models that keep every cell's number of models and draw
+    its models with replacement (a bootstrap over models within cells). cell: shape (models,),
+    any labels; yields per draw the drawn models' indices, shape (models,), cell by cell."""
+    members = [np.flatnonzero(cell == k) for k in np.unique(cell)]
+    for _ in range(resamples):
+        yield np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+
+
 def bootstrap_scores(models: pd.DataFrame, laws: list[Law], resamples: int,
-                     rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Per law, shape (resamples, 2): the held-out scores of `resamples` draws that keep every
-    cell's number of models and draw its models with replacement."""
+                     rng: np.random.Generator, target: str = "N_star") -> dict[str, np.ndarray]:
+    """Per law, shape (resamples, 2): the held-out scores (of `target`'s cell means) of the
+    `within_cells` draws."""
     jobs, cell = np.unique(models["job"].to_numpy(str), return_inverse=True)
-    n_star = models["N_star"].to_numpy(float)
-    members = [np.flatnonzero(cell == k) for k in range(len(jobs))]
+    n_star = models[target].to_numpy(float)
     out = {law.name: np.empty((resamples, 2)) for law in laws}
-    for i in range(resamples):
-        pick = np.concatenate([m[rng.integers(0, len(m), len(m))] for m in members])
+    for i, pick in enumerate(within_cells(cell, resamples, rng)):
         for law in laws:
             x = models[law.covariate].to_numpy(float)[pick]
             predicted, observed, _ = _held_out_means(law, x, n_star[pick], cell[pick], len(jobs))
@@ -224,6 +233,20 @@ def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.0
     return written
 
 
+def _draws(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def add_bootstrap_options(parser: argparse.ArgumentParser) -> None:
+    """--resamples (bootstrap draws of models within cells, at least one) and --alpha."""
+    parser.add_argument("--resamples", type=_draws, default=2000,
+                        help="bootstrap draws of models within cells (default 2000)")
+    parser.add_argument("--alpha", type=float, default=0.05, help="1 - CI level")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.laws", description=(
         "Fit N* against W and R_exact with the candidate laws and compare them by "
@@ -231,12 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", required=True, type=Path,
                         help="a per-model table (analysis.reach's models.csv)")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--resamples", type=int, default=2000,
-                        help="bootstrap draws of models within cells (default 2000)")
-    parser.add_argument("--alpha", type=float, default=0.05, help="1 - CI level")
+    add_bootstrap_options(parser)
     args = parser.parse_args(argv)
-    if args.resamples < 1:
-        parser.error(f"--resamples: must be >= 1; got {args.resamples}")
     try:
         written = write(args.models, args.out, args.resamples, args.alpha)
     except (FileNotFoundError, ValueError) as error:

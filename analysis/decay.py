@@ -1,0 +1,389 @@
+"""How the cost of bounded replay on real text decays with distance: `python -m analysis.decay`.
+
+    python -m analysis.decay --kl-by-position findings/real_text/kl_by_position.csv \
+        --study findings/real_text/archive --out /tmp/decay [--floor 1e-9] [--resamples 2000]
+
+Reads one or more `kl_by_position.csv` of `evals.real_text` (per checkpoint and distance d: the
+mean KL(exact || replay) of the bytes whose decoder windows are cut d bytes back, i.e. the cost
+of a replay of N = d). Each checkpoint's W, L_d, L_e and R_exact come from its config
+(`ced.checkpoint.load_config` of the checkpoint directory; where that directory is gone, of
+`--study`'s runs/<job>/seed<k>/final, as `analysis.report.load_runs` finds them: a study
+directory or its archive), its job and seed from its path (`ced.tracking.job_and_seed`).
+
+Per model, least squares of log kl_mean(d) = log A - (d - W) / tau over the distances
+W <= d < R_exact whose kl_mean is above `--floor` (below W the first window is cut too; from
+R_exact on the replay is exact and the KL is rounding), weighted by bytes: tau, A, the
+distances used, R^2 and the per-byte factor exp(1/tau) by which the KL falls per byte of
+replay. Per cell (a job: one W, L_d, L_e): the mean tau and tau / W over its models, with a
+bootstrap CI over models and the t-interval.
+
+The two laws, over every cell given (so give cells of one depth to ask about W alone):
+  per_token    tau = tau0       log tau = c            the decay is a number of tokens
+  per_window   tau = k W        log tau = log W + c    the decay is a number of windows
+decided by (a) the exponent beta of tau = k W^beta (least squares of log tau on log W over
+models; beta near 0: per token, near 1: per window) and (b) held-out cells
+(`analysis.laws.held_out`: each cell left out, each law fitted on the other cells' models
+predicts its mean log tau; the RMSE over cells, in log tau). Every CI of the laws draws models
+within cells (`analysis.laws.within_cells`). Fewer than two distinct W: the per-model and
+per-cell tables are written and the laws refused (exit 2).
+
+Writes decay_models.csv, decay_cells.csv, decay_laws.csv, decay.png (log KL against d - W per
+model with its fit; tau against W per model with both laws' fits) and decay.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ced.checkpoint import CheckpointError, load_config
+from ced.config import exact_replay_length
+from ced.tracking import job_and_seed
+from evals.suites.stats import bootstrap_means, percentile_interval, seed_t_test
+
+from .laws import (Law, add_bootstrap_options, bootstrap_scores, held_out, scores,
+                   within_cells)
+from .publish import markdown
+from .report import load_runs
+
+REQUIRED = ("checkpoint", "distance", "bytes", "kl_mean")
+# At R_exact and beyond the KL is zero up to rounding (about 1e-14 in findings/real_text); a
+# mean KL at or below FLOOR is taken as rounding, not as decay, and left out of the fit.
+FLOOR = 1e-9
+LAWS = (Law("per_token", "tau = tau0", "zero", False),
+        Law("per_window", "tau = k W", "log_W", False))
+GEOMETRY = ("job", "seed", "W", "L_d", "L_e", "R_exact")
+
+
+def read_tables(paths: list[Path]) -> pd.DataFrame:
+    """The kl_by_position rows of every file, one table (rows: checkpoint x distance); a
+    missing column or a (checkpoint, distance) given twice is a ValueError."""
+    parts = []
+    for path in paths:
+        table = pd.read_csv(path)
+        missing = [c for c in REQUIRED if c not in table]
+        if missing:
+            raise ValueError(f"{path}: no column(s) {missing} (evals.real_text's "
+                             f"kl_by_position.csv has {list(REQUIRED)})")
+        parts.append(table.assign(checkpoint=table["checkpoint"].astype(str)))
+    table = pd.concat(parts, ignore_index=True)
+    twice = table.duplicated(["checkpoint", "distance"])
+    if twice.any():
+        row = table[twice].iloc[0]
+        raise ValueError(f"checkpoint {row['checkpoint']}: distance {row['distance']} given "
+                         "twice (the same model in two tables?)")
+    return table
+
+
+def geometry(checkpoint: str, runs: dict | None) -> dict:
+    """job, seed, W, L_d, L_e and R_exact of one checkpoint: its own config.json, else the
+    config of its run in `runs` (`load_runs` of --study, by `<job>/seed<k>`)."""
+    job, seed = job_and_seed(checkpoint)
+    path = Path(checkpoint)
+    if not (path / "config.json").is_file():
+        run = (runs or {}).get(f"{job}/seed{seed}", {})
+        if run.get("final") is None:
+            raise FileNotFoundError(f"{checkpoint}: no config.json there, nor a run {job}/seed"
+                                    f"{seed} with final/config.json under --study")
+        path = run["final"]
+    try:
+        cfg = load_config(path)
+    except CheckpointError as error:
+        raise ValueError(str(error)) from None
+    return {"job": job, "seed": seed, "W": cfg.window, "L_d": cfg.n_decoder_layers,
+            "L_e": cfg.n_encoder_layers, "R_exact": exact_replay_length(cfg)}
+
+
+def fit_decay(distance: np.ndarray, kl: np.ndarray, weight: np.ndarray, window: int,
+              r_exact: int, floor: float = FLOOR) -> dict:
+    """One model's fit of log kl = log A - (d - W) / tau over W <= d < R_exact with kl > floor
+    (distance, kl, weight: shape (distances,)): tau, A, distances (how many were used),
+    last_distance (the largest used), r2, per_byte_factor (NaN with fewer than two usable
+    distances; tau NaN where the KL does not fall)."""
+    keep = (distance >= window) & (distance < r_exact) & (kl > floor)
+    x, w = distance[keep] - float(window), weight[keep].astype(float)
+    out = {"tau": math.nan, "A": math.nan, "distances": int(keep.sum()),
+           "last_distance": float(distance[keep].max()) if keep.any() else math.nan,
+           "r2": math.nan, "per_byte_factor": math.nan}
+    if len(np.unique(x)) < 2:
+        return out
+    y = np.log(kl[keep])
+    # Weighted by bytes: each kl_mean averages `bytes` readings, so the variance of its log
+    # falls as 1/bytes (for a like spread of KL at each distance); these are inverse-variance
+    # weights. The byte counts differ by a few per cent between distances (passes, row ends).
+    xm, ym = np.average(x, weights=w), np.average(y, weights=w)
+    slope = float((w * (x - xm) * (y - ym)).sum() / (w * (x - xm) ** 2).sum())
+    log_a = ym - slope * xm
+    total = float((w * (y - ym) ** 2).sum())
+    residual = float((w * (y - log_a - slope * x) ** 2).sum())
+    tau = -1.0 / slope if slope < 0 else math.nan
+    return {**out, "tau": tau, "A": math.exp(log_a), "r2": 1 - residual / total if total else
+            math.nan, "per_byte_factor": math.exp(1 / tau) if slope < 0 else math.nan}
+
+
+def fit_models(table: pd.DataFrame, runs: dict | None, floor: float = FLOOR) -> pd.DataFrame:
+    """decay_models.csv: per checkpoint (rows: models) its geometry and `fit_decay`."""
+    rows = []
+    for checkpoint, part in table.groupby("checkpoint", sort=True):
+        info = geometry(checkpoint, runs)
+        fit = fit_decay(part["distance"].to_numpy(float), part["kl_mean"].to_numpy(float),
+                        part["bytes"].to_numpy(float), info["W"], info["R_exact"], floor)
+        rows.append({"checkpoint": checkpoint, **info, **fit,
+                     "tau_over_W": fit["tau"] / info["W"]})
+    return pd.DataFrame(rows).sort_values(["W", "L_d", "L_e", "job", "seed"],
+                                          ignore_index=True)
+
+
+def _mean_intervals(values: np.ndarray, name: str, resamples: int, alpha: float,
+                    seed: int) -> dict:
+    """{name_mean, name_ci_low/high (bootstrap over models), name_t_low/high} of one cell's
+    per-model values (shape (models,))."""
+    low, high = percentile_interval(bootstrap_means(values, resamples, seed), 1 - alpha)
+    t_low, t_high, _ = seed_t_test(values, 1 - alpha)
+    return {f"{name}_mean": float(values.mean()), f"{name}_ci_low": low,
+            f"{name}_ci_high": high, f"{name}_t_low": t_low, f"{name}_t_high": t_high}
+
+
+def cell_table(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05,
+               seed: int = 0) -> pd.DataFrame:
+    """decay_cells.csv: per job (rows: cells) the models with a tau, mean tau and tau / W with
+    their CIs, and the per-byte factor of the mean tau. ValueError for a cell without a tau."""
+    rows = []
+    for job, part in models.groupby("job", sort=False):
+        fitted = part.dropna(subset=["tau"])
+        if fitted.empty:
+            raise ValueError(f"cell {job}: no model with a decay fit (no two distances "
+                             "W <= d < R_exact above the floor with a falling KL)")
+        first = part.iloc[0]
+        tau = _mean_intervals(fitted["tau"].to_numpy(float), "tau", resamples, alpha, seed)
+        rows.append({"job": job, **{k: int(first[k]) for k in ("W", "L_d", "L_e", "R_exact")},
+                     "models": len(part), "fitted": len(fitted), **tau,
+                     **_mean_intervals(fitted["tau_over_W"].to_numpy(float), "tau_over_W",
+                                       resamples, alpha, seed),
+                     "per_byte_factor": math.exp(1 / tau["tau_mean"])})
+    return pd.DataFrame(rows)
+
+
+def law_frame(models: pd.DataFrame) -> pd.DataFrame:
+    """The models with a tau (rows) and what the laws read: log_tau, log_W and zero (the
+    per-token law's covariate). ValueError with fewer than two distinct W."""
+    frame = models.dropna(subset=["tau"]).reset_index(drop=True)
+    windows = sorted(frame["W"].unique())
+    if len(windows) < 2:
+        raise ValueError(f"the laws need two windows: every fitted model has W = "
+                         f"{', '.join(map(str, windows)) or 'none'}")
+    return frame.assign(log_tau=np.log(frame["tau"]), log_W=np.log(frame["W"]), zero=0.0)
+
+
+def exponent(frame: pd.DataFrame) -> float:
+    """beta of log tau = log k + beta log W, least squares over models (frame: rows models)."""
+    return float(np.polyfit(frame["log_W"], frame["log_tau"], 1)[0])
+
+
+def exponent_t_interval(frame: pd.DataFrame, alpha: float = 0.05) -> tuple[float, float]:
+    """Student t interval of beta from the least squares over models (frame: rows models;
+    df = models - 2): with three models a cell the within-cell bootstrap runs narrow (it
+    covered the truth in about 80% of fabricated tables, this in about 97%)."""
+    x, y = frame["log_W"].to_numpy(float), frame["log_tau"].to_numpy(float)
+    if len(x) < 3:
+        return math.nan, math.nan
+    slope, intercept = np.polyfit(x, y, 1)
+    spread = ((y - intercept - slope * x) ** 2).sum() / (len(x) - 2)
+    from scipy import stats
+    half = float(stats.t.ppf(1 - alpha / 2, len(x) - 2)) * math.sqrt(
+        spread / ((x - x.mean()) ** 2).sum())
+    return float(slope - half), float(slope + half)
+
+
+def law_draws(frame: pd.DataFrame, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """Shape (resamples, 3): beta, tau0 and k of each `within_cells` draw of models."""
+    cell = frame["job"].to_numpy(str)
+    out = np.empty((resamples, 3))
+    for i, pick in enumerate(within_cells(cell, resamples, rng)):
+        drawn = frame.iloc[pick]
+        out[i] = (exponent(drawn), *(math.exp(law.fit(drawn[law.covariate].to_numpy(float),
+                                                      drawn["log_tau"].to_numpy(float)))
+                                     for law in LAWS))
+    return out
+
+
+def compare_laws(frame: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05,
+                 seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(decay_laws.csv, the held-out errors per law and cell). Rows of decay_laws: exponent
+    (estimate beta; its bootstrap CI and its t-interval), per_token (estimate tau0),
+    per_window (estimate k), each with its bootstrap CI;
+    the laws with their held-out RMSE of the cell mean log tau, its CI, and the difference to
+    the best law with its CI."""
+    errors = held_out(frame, list(LAWS), target="log_tau")
+    point = {law: rmse for law, (rmse, _) in scores(errors).items()}
+    best = min(point, key=point.get)
+    rng = np.random.default_rng(seed)
+    draws = {k: v[:, 0] for k, v in bootstrap_scores(frame, list(LAWS), resamples, rng,
+                                                       target="log_tau").items()}
+    constants = law_draws(frame, resamples, rng)
+    lo, hi = 100 * alpha / 2, 100 * (1 - alpha / 2)
+    base = {"cells": frame["job"].nunique(), "models": len(frame)}
+    rows = [{"law": "exponent", "formula": "tau = k W^beta", "estimate": exponent(frame),
+             "estimate_ci_low": np.percentile(constants[:, 0], lo),
+             "estimate_ci_high": np.percentile(constants[:, 0], hi),
+             **dict(zip(("estimate_t_low", "estimate_t_high"),
+                        exponent_t_interval(frame, alpha))), **base}]
+    for i, law in enumerate(LAWS, start=1):
+        x, y = frame[law.covariate].to_numpy(float), frame["log_tau"].to_numpy(float)
+        minus = draws[law.name] - draws[best]
+        rows.append({"law": law.name, "formula": law.formula,
+                     "estimate": math.exp(law.fit(x, y)),
+                     "estimate_ci_low": np.percentile(constants[:, i], lo),
+                     "estimate_ci_high": np.percentile(constants[:, i], hi), **base,
+                     "held_out_rmse": point[law.name],
+                     "rmse_ci_low": np.percentile(draws[law.name], lo),
+                     "rmse_ci_high": np.percentile(draws[law.name], hi),
+                     "minus_best": point[law.name] - point[best],
+                     "minus_best_ci_low": np.percentile(minus, lo),
+                     "minus_best_ci_high": np.percentile(minus, hi),
+                     "best": law.name == best})
+    return pd.DataFrame(rows), errors
+
+
+def _decay_panel(ax, table: pd.DataFrame, models: pd.DataFrame, floor: float) -> None:
+    """log KL against d - W per model (points above the floor), coloured by W, with its fit
+    over the distances it used."""
+    from matplotlib import colormaps
+    windows = sorted(models["W"].unique())
+    colours = {w: colormaps["viridis"](k / max(1, len(windows) - 1))
+               for k, w in enumerate(windows)}
+    for m in models.itertuples():
+        part = table[(table["checkpoint"] == m.checkpoint) & (table["kl_mean"] > floor)]
+        colour = colours[m.W]
+        ax.plot(part["distance"] - m.W, part["kl_mean"], ".", ms=3, color=colour, alpha=0.6)
+        if not math.isnan(m.tau):
+            x = np.array([0.0, m.last_distance - m.W])
+            ax.plot(x, m.A * np.exp(-x / m.tau), "-", lw=1, color=colour)
+    for w in windows:
+        ax.plot([], [], "-", color=colours[w], label=f"W = {w}")
+    ax.set_yscale("log")
+    ax.set_xlabel("d - W (bytes)")
+    ax.set_ylabel("mean KL(exact || replay d), nats")
+    ax.legend(fontsize=7)
+
+
+def _tau_panel(ax, models: pd.DataFrame, laws: pd.DataFrame | None) -> None:
+    """tau per model against W, with the per-token and per-window fits when there are laws."""
+    ax.scatter(models["W"], models["tau"], s=14, color="0.3", label="models")
+    if laws is not None:
+        w = np.geomspace(models["W"].min(), models["W"].max(), 20)
+        fits = laws.set_index("law")["estimate"]
+        ax.plot(w, np.full_like(w, fits["per_token"]), "--", label="per token: tau = tau0")
+        ax.plot(w, fits["per_window"] * w, ":", label="per window: tau = k W")
+        ax.legend(fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("W (bytes)")
+    ax.set_ylabel("tau (bytes)")
+
+
+def figure(table: pd.DataFrame, models: pd.DataFrame, laws: pd.DataFrame | None,
+           floor: float):
+    """decay.png: the decay per model (left) and tau against W (right)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(11, 4.2))
+    left, right = fig.subplots(1, 2)
+    _decay_panel(left, table, models, floor)
+    _tau_panel(right, models, laws)
+    fig.suptitle("Cost of bounded replay on real text against distance, and its decay length")
+    fig.tight_layout()
+    return fig
+
+
+MODEL_COLUMNS = ["job", "seed", "W", "L_d", "L_e", "R_exact", "distances", "last_distance",
+                 "tau", "A", "r2", "per_byte_factor"]
+CELL_COLUMNS = ["job", "W", "L_d", "L_e", "models", "fitted", "tau_mean", "tau_ci_low",
+                "tau_ci_high", "tau_t_low", "tau_t_high", "tau_over_W_mean",
+                "tau_over_W_ci_low", "tau_over_W_ci_high", "tau_over_W_t_low",
+                "tau_over_W_t_high", "per_byte_factor"]
+
+
+def report(sources: list[Path], floor: float, resamples: int, alpha: float,
+           models: pd.DataFrame, cells: pd.DataFrame, laws: pd.DataFrame | None,
+           refusal: str | None) -> str:
+    """decay.md: the fits per model, the cells, the laws (or why there are none)."""
+    level = f"{100 * (1 - alpha):.0f}%"
+    md = ["# How the cost of bounded replay decays with distance (python -m analysis.decay)",
+          "", f"From {', '.join(map(str, sources))}. Per model, log mean KL = log A - (d - W)"
+          f" / tau over W <= d < R_exact with mean KL > {floor:g}, least squares weighted by "
+          "bytes; per_byte_factor = exp(1/tau), the factor the KL falls by per byte.", "",
+          "## Models", "", markdown(models, MODEL_COLUMNS, digits=4),
+          f"## Cells ({level} CIs: ci, bootstrap over models, {resamples} draws; t, "
+          "Student t over models)", "", markdown(cells, CELL_COLUMNS, digits=4),
+          "## The laws", ""]
+    if laws is None:
+        md.append(f"Not compared: {refusal}.")
+    else:
+        md += [f"log tau per cell held out in turn; {level} CIs from {resamples} draws of "
+               "models within cells.", "",
+               markdown(laws, [c for c in laws.columns if c not in ("cells",)], digits=4)]
+    return "\n".join(md) + "\n"
+
+
+def write(sources: list[Path], out: Path, study: Path | None = None, floor: float = FLOOR,
+          resamples: int = 2000, alpha: float = 0.05) -> tuple[dict, str | None]:
+    """Every output into `out`: ({name: path}, the laws' refusal or None)."""
+    table = read_tables(sources)
+    runs = load_runs(study) if study is not None else None
+    models = fit_models(table, runs, floor)
+    cells = cell_table(models, resamples, alpha)
+    laws, refusal = None, None
+    try:
+        laws, _ = compare_laws(law_frame(models), resamples, alpha)
+    except ValueError as error:
+        refusal = str(error)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {name: out / f"decay_{name}.csv" for name in ("models", "cells", "laws")}
+    models.to_csv(written["models"], index=False, float_format="%.6g")
+    cells.to_csv(written["cells"], index=False, float_format="%.6g")
+    (laws if laws is not None else pd.DataFrame(columns=["law"])).to_csv(
+        written["laws"], index=False, float_format="%.6g")
+    written["figure"] = out / "decay.png"
+    figure(table, models, laws, floor).savefig(written["figure"], dpi=110)
+    written["markdown"] = out / "decay.md"
+    written["markdown"].write_text(report(sources, floor, resamples, alpha, models, cells,
+                                          laws, refusal))
+    return written, refusal
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.decay", description=(
+        "Fit the decay of the KL of bounded replay with distance per model, and decide "
+        "whether it is per token or per window."))
+    parser.add_argument("--kl-by-position", required=True, nargs="+", type=Path,
+                        help="evals.real_text's kl_by_position.csv (one or more)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--study", type=Path, default=None, help=(
+        "a study directory or its archive (runs/<job>/seed<k>/final/config.json), for "
+        "checkpoints whose directory is gone"))
+    parser.add_argument("--floor", type=float, default=FLOOR,
+                        help=f"mean KL at or below this is rounding (default {FLOOR:g})")
+    add_bootstrap_options(parser)
+    args = parser.parse_args(argv)
+    try:
+        written, refusal = write(args.kl_by_position, args.out, args.study, args.floor,
+                                 args.resamples, args.alpha)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"analysis.decay: {error}", file=sys.stderr)
+        return 2
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    if refusal is not None:
+        print(f"analysis.decay: {refusal} (per-model and per-cell tables written)",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
