@@ -3,7 +3,7 @@
 own figures (divergence, suite accuracy, erf) and the shared layout helpers are evals/plots.py.
 
 Used by `analysis.report` (report.html), `analysis.findings` (accuracy_vs_N.png, kl_vs_N.png,
-arms.png), `analysis.scaling`, `analysis.real_text` (training_curves.png) and notebooks/analysis.py.
+arms.png), `analysis.scaling`, `analysis.real_text` (training_curves.png) and notebooks/study_analysis.py.
 """
 
 from __future__ import annotations

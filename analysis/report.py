@@ -16,7 +16,7 @@ embedded as base64, it opens from disk). The same plots and tables go to a wandb
 report.html leads with the answer: a short summary and the headline plot (accuracy against N
 per family, seeds as bands), then the sections; the long divergence table is collapsed. The
 plots are drawn by `evals.plots`. The loaders (`load_*`) and tables are public:
-notebooks/analysis.py uses them.
+notebooks/study_analysis.py uses them.
 """
 
 from __future__ import annotations

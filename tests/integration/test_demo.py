@@ -84,7 +84,7 @@ def test_report_has_every_section_and_embedded_plots(tiny_study):
 
 
 def test_notebook_executes_on_the_study_outputs(tiny_study, tmp_path, monkeypatch):
-    """notebooks/analysis.ipynb runs on a study's outputs without errors and draws its plots
+    """notebooks/study_analysis.ipynb runs on a study's outputs without errors and draws its plots
     (the study has a failed job, which the notebook must pass over)."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -93,7 +93,7 @@ def test_notebook_executes_on_the_study_outputs(tiny_study, tmp_path, monkeypatc
     monkeypatch.setenv("CED_STUDY_DIR", str(study))
     monkeypatch.setenv("CED_NOTEBOOK_OUT", str(figures))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    nb = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "notebooks" / "study_analysis.ipynb", as_version=4)
     client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
                                      resources={"metadata": {"path": str(ROOT / "notebooks")}})
     client.execute()           # raises CellExecutionError on any error

@@ -24,7 +24,7 @@
 #
 # Set the study directory below or through the `CED_STUDY_DIR` environment variable.
 # This file is paired with `analysis.ipynb` by jupytext: edit either, then
-# `jupytext --sync notebooks/analysis.py`.
+# `jupytext --sync notebooks/study_analysis.py`.
 
 # %% tags=["parameters"]
 import os
