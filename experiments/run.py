@@ -819,7 +819,7 @@ class Study:
             for step in runs:
                 current.append(step["out"])
                 self._lm_eval_run(step)
-        from evals.real_text import write_lm_eval
+        from analysis.real_text import write_lm_eval
         try:
             written = write_lm_eval(self.out / "real_text" / "lm_eval", self.out / "real_text",
                                     runs=current)
