@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ced.cli.train as trainer  # noqa: E402
 from ced.data import build_source  # noqa: E402
 from experiments.study import STUDY_DIR, load_study, normalise_overrides  # noqa: E402
-from test_registry import compose_train, rows_hash  # noqa: E402
+from test_registry import compose_train, rows_hash, study_rows_length  # noqa: E402
 
 PATH = Path(__file__).with_name("golden_configs.json")
 
@@ -52,8 +52,9 @@ def regenerate(why: str) -> dict:
                     rest = json.dumps({k: v for k, v in cfg.items() if k != "data"},
                                       sort_keys=True)
                     entry["config"] = hashlib.sha256(rest.encode()).hexdigest()[:16]
-                    entry["rows"] = rows_hash(build_source(compose_train(overrides).data,
-                                                           "train"), 4)
+                    composed = compose_train(overrides)
+                    entry["rows"] = rows_hash(build_source(composed.data, "train"), 4,
+                                              study_rows_length(composed))
                 golden["studies"][f"{path.stem}/{scale}/{job.name}"] = entry
     return golden
 
