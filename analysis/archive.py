@@ -1,5 +1,5 @@
 """A study's results in a form small enough to commit, so that a study can grow across
-machines and sessions whose `outputs/` do not survive: `python -m analysis.archive`.
+machines whose `outputs/` do not survive: `python -m analysis.archive`.
 
     python -m analysis.archive --study outputs/studies/depth --into findings/depth/archive
 

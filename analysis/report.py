@@ -43,7 +43,7 @@ from .tables import capability_drop_table, geometry, load_results
 
 FULL = "full"
 # A family whose exact-model (`full`) accuracy is below this has no competence for bounded
-# replay to lose: its "drops" are noise around an untrained model (issue 9), and the summary
+# replay to lose: its "drops" are noise around an untrained model, and the summary
 # says so instead of letting a zero-drop count read as "replay is harmless".
 COMPETENT_ACCURACY = 0.8
 

@@ -11,7 +11,7 @@ is rewritten after every cell, so a run cut short still leaves what it measured.
 2. Short context, the peer benchmark's models (benchmarks/peer.py: d_model 256, 16 layers,
    W 64, ced top-k 64, about 13M parameters each, and the plain GPT): one AdamW training step
    at 8 x 512 and 2 x 2048, fp32 and bf16 autocast; tokens/s, the ratio to the GPT, the
-   executed forward-FLOP ratio (ced.cost) and the FLOP rate against the GPT's (issue 35's
+   executed forward-FLOP ratio (ced.cost) and the FLOP rate against the GPT's (the
    short-context target reads the rate: >= 0.9).
 3. Long context, B = 1, T = 8192, 16384, 32768 (--long): the bf16 training step, the GPT's
    forward against each variant's full prefill and, for the split variants, the early-exit

@@ -19,7 +19,7 @@ forward FLOPs at >= 0.9 of the GPT's FLOP rate at both shapes (`rate_vs_gpt`: to
 over executed-FLOP ratio; their ideal FLOP ratio to the GPT is about 1); swa >= 1.3x the
 GPT's tokens/s at T = 2048, where its windows skip most of the GPT's attention.
 
-The long-context table (issue 35: where a sparse read and early exit should pay): B = 1,
+The long-context table (where a sparse read and early exit should pay): B = 1,
 T = 8192, 16384 and 32768, with fewer layers so that a step stays near a minute on a CPU
 (`--long-shapes BxT:L`, L layers per half; the GPT has 2L). Per model, interleaved as above:
 one training step, and a prefill through `ced.inference` (early exit with replay = W for the
@@ -73,7 +73,7 @@ RATE_TARGETS = {"ced": 0.9, "ced_mq": 0.9, "dense": 0.9, "yoco": 0.9}
 SWA_TARGET_LONG = (2048, 1.3)
 # B x T : layers per half (the GPT has twice as many): a step near a minute on 2 CPU cores
 LONG_SHAPES = "1x8192:2,1x16384:2,1x32768:1"
-# T -> {variant: minimum ratio to the GPT's tokens/s} (issue 35)
+# T -> {variant: minimum ratio to the GPT's tokens/s}
 LONG_STEP_TARGETS = {8192: {"swa": 2.5, "ced": 2.0, "ced_mq": 2.0, "yoco": 1.4, "dense": 0.9},
                      32768: {"ced": 4.0}}
 LONG_PREFILL_TARGETS = {8192: {"ced": 3.0}}

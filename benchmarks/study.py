@@ -1,4 +1,4 @@
-"""Speed at the studies' own shapes (`make bench-study`, issue 52 item 1).
+"""Speed at the studies' own shapes (`make bench-study`).
 
 The studies train d_model 64 models on one thread in fp32, so the number of models per cell,
 and every model-level CI, is set by how fast ced trains there. This benchmark times, at each
@@ -71,7 +71,7 @@ from evals.suites.runner import make_engine  # noqa: E402
 from experiments.study import load_study  # noqa: E402
 from peer import interleaved_rounds  # noqa: E402
 
-# name -> (study, the overrides its job adds): the studies' shapes (issue 52)
+# name -> (study, the overrides its job adds): the studies' shapes
 SHAPES = {
     "depth_L2": ("depth", ["model.n_decoder_layers=2"]),
     "depth_L8": ("depth", ["model.n_decoder_layers=8"]),

@@ -4,7 +4,7 @@ For the default small `ced` config (conf/model/ced.yaml) at T = 512, batch 8, in
 (CPU autocast): training tokens/s (forward + backward + AdamW step, median of timed steps after
 warm-up) and MFU = (matmul FLOPs of one step, counted by torch's FlopCounterMode) / step time /
 (this machine's matmul peak, measured here with large square matmuls in the same dtype).
-Target (issue 3): at least 25% of the measured peak in fp32.
+Target: at least 25% of the measured peak in fp32.
 
 Writes benchmarks/results/train.json and prints a table.
 """

@@ -62,8 +62,8 @@ GLOBAL_READS = ("auto", "gather", "masked")
 # gather copies each entry once per K/V head). The measurements: benchmarks/README.md, "The
 # auto rule of the top-k read".
 MASKED_READ_MAX_RATIO = 32
-# CPU GEMMs ran up to 1.3x slower at a SwiGLU width such as 683 than at 688 (issue 10's
-# benchmark): the MLP runs its hidden width padded to a multiple of this (`executed_ff_dim`).
+# CPU GEMMs ran up to 1.3x slower at a SwiGLU width such as 683 than at 688 (benchmarks/README):
+# the MLP runs its hidden width padded to a multiple of this (`executed_ff_dim`).
 FF_PAD = 16
 GlobalMode = Literal["full", "reindex", "reuse"]
 

@@ -1,5 +1,5 @@
 """Which bytes of Python source need state from far back: the token classes of the real-text
-evaluation (issue 32), computed once per file with the standard `tokenize` module.
+evaluation, computed once per file with the standard `tokenize` module.
 
 A byte-level model predicts every byte, so the classes are per byte:
 

@@ -4,7 +4,7 @@ retrained from step 0.
 
 Why a separate rule and not a plain resume: raising `train.steps` on a resumed run recomputes
 the cosine schedule, so the learning rate jumps back up at the step the run resumes from
-(issue 53 found 3.0e-4 -> 1.02e-3). `train.extend_to` keeps the run's own schedule and trains
+(docs/training.md: 3.0e-4 -> 1.02e-3 on a 400-step run raised to 2000). `train.extend_to` keeps the run's own schedule and trains
 the extra steps at its final learning rate, and `ced.train` records the change in the run's
 config changes. A continued run is therefore *not* the run a fresh `train.steps=N` would
 train; the driver's record of the run (`study_step.json`) says it was extended, from which

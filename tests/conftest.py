@@ -121,7 +121,7 @@ def configs(draw, variants=("dense", "swa", "yoco", "ced")) -> ModelConfig:
 # 10-minute CI budget on 2 cores). xdist would re-sort the queue by tests per file (its
 # default loadscope reorder, which put the 1-test recall file last: a 2-3 minute tail with one
 # worker busy), so `make test` passes --no-loadscope-reorder. Seconds per file beside another
-# worker, measured 2026-12-04 (--junitxml, summed per file, beside a one-thread training on
+# worker (--junitxml, summed per file, beside a one-thread training on
 # the same 2 cores; test_demo's study is a module fixture, counted at about 100 s before).
 SLOW_FILES = {"test_train.py": 119, "test_sweeps.py": 108,
               "test_demo.py": 100, "test_faults.py": 89, "test_daily_loop.py": 81,

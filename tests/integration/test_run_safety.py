@@ -36,7 +36,7 @@ from ced.train_config import ConfigError
 
 STEPS4 = ["train.steps=4", "train.save_every=2", "train.eval_every=100", "train.keep_last=3"]
 # A resume that trains on to another number of steps changes the learning-rate schedule, so it
-# is a change of what the run computes and must be allowed (issue 36).
+# is a change of what the run computes and must be allowed.
 EXTEND = "train.allow_config_change=[train.steps]"
 
 

@@ -38,7 +38,7 @@ def test_multirun_with_a_failing_job_runs_the_others_and_names_runs_by_what_vari
     assert done.returncode != 0                       # the sweep reports its failed job ...
     assert "config error: train.steps: must be >= 1; got 0" in done.stderr
     assert "Error executing job with overrides" in done.stderr
-    # folders and run names say what varies (issue 37): the 16 shared overrides stay out
+    # folders and run names say what varies: the 16 shared overrides stay out
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0_train.steps=0",
                                                                       "1_train.steps=2"]
     assert not (sweep / "0_train.steps=0" / "final").exists()
@@ -170,7 +170,7 @@ def test_study_driver_multirun_seeds_and_config_hash(tmp_path):
 
 
 def test_study_continues_a_raised_train_steps_on_the_runs_own_schedule(tmp_path):
-    """on_change=continue (issue 53, item 7): a study that raises train.steps trains its
+    """on_change=continue: a study that raises train.steps trains its
     finished runs on from where they ended (train.extend_to), not from step 0; the plan says
     so; the run's record and its config changes say it was extended; the learning rate of the
     added step is the schedule's final one (no jump back up); an interrupted continuation

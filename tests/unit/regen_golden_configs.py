@@ -1,10 +1,11 @@
 """Recompute tests/unit/golden_configs.json after a *deliberate* change of what the configs
-compose to (a new model key, a changed study), with a note that says why:
+compose to (a new model key, a changed study):
 
-    .venv/bin/python tests/unit/regen_golden_configs.py "why the goldens changed"
+    .venv/bin/python tests/unit/regen_golden_configs.py
 
-test_registry.py then holds every later change to them. Never run it to silence a failure you
-cannot explain: the golden is the record of what studies trained."""
+and say why in the commit message (git log is the goldens' changelog). test_registry.py then
+holds every later change to them. Never run it to silence a failure you cannot explain: the
+golden is the record of what studies trained."""
 
 from __future__ import annotations
 
@@ -26,10 +27,15 @@ from test_registry import compose_train, rows_hash, study_rows_length  # noqa: E
 PATH = Path(__file__).with_name("golden_configs.json")
 
 
-def regenerate(why: str) -> dict:
+COMMENT = ("What each model preset and study job composes to (config hashes, rows of its "
+           "training data): tests/unit/test_registry.py holds the configs to it. Recompute with "
+           "tests/unit/regen_golden_configs.py after a deliberate change, and say why in the "
+           "commit message.")
+
+
+def regenerate() -> dict:
     old = json.loads(PATH.read_text())
-    golden = {"_comment": f"{old['_comment']} Recomputed: {why}", "model": {}, "rows": {},
-              "studies": {}}
+    golden = {"_comment": COMMENT, "model": {}, "rows": {}, "studies": {}}
     for name in old["model"]:
         golden["model"][name] = OmegaConf.to_container(
             compose_train([f"model={name}"]).model, resolve=True)
@@ -60,7 +66,7 @@ def regenerate(why: str) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or not sys.argv[1].strip():
+    if len(sys.argv) != 1:
         sys.exit(__doc__)
-    PATH.write_text(json.dumps(regenerate(sys.argv[1].strip()), indent=1) + "\n")
-    print(f"wrote {PATH}")
+    PATH.write_text(json.dumps(regenerate(), indent=1) + "\n")
+    print(f"wrote {PATH}: say why in the commit message")

@@ -63,7 +63,7 @@ def test_cells_keep_every_paired_count():
     assert kl.sort_index().to_numpy() == pytest.approx(kl_back.sort_index().to_numpy())
 
 
-def test_archives_from_two_sessions_read_as_one_study(tmp_path):
+def test_archives_from_two_machines_read_as_one_study(tmp_path):
     first, second, into = tmp_path / "a", tmp_path / "b", tmp_path / "archive"
     write_study(first, [("L2", 0), ("L2", 1)])
     write_study(second, [("L2", 2), ("L20", 0)])

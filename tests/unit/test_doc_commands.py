@@ -1,4 +1,4 @@
-"""Every command the README, the guides and FINDINGS.md show still runs (issue 34): each
+"""Every command the README, the guides and FINDINGS.md show still runs: each
 `python -m <module>` answers `--help`, each `python -m ced.train ...` line's keys are keys of
 the training config, each `study=<name>` is a study, and each `make <target>` is a target of
 the Makefile."""

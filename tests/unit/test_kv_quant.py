@@ -1,4 +1,4 @@
-"""KV precision (issue 14): the fake quantisers of ced/quant.py against references built from
+"""KV precision: the fake quantisers of ced/quant.py against references built from
 each format's bit fields, the storage points in the model (engine == parallel forward with
 the same stored values), unsupported formats, and the straight-through estimator.
 docs/semantics.md section 3.6."""

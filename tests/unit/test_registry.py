@@ -1,4 +1,4 @@
-"""One home for each idea (issue 13): a task is one registry entry (generator, defaults, chance
+"""One home for each idea: a task is one registry entry (generator, defaults, chance
 level, suite sweeps); `data=synthetic` trains every registered task; model configs are a base
 plus deltas and studies share a small-model preset. Golden values were computed on main before
 the change (tests/unit/golden_configs.json): the training rows, the composed model configs and
