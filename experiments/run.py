@@ -276,6 +276,23 @@ def suite_options(spec, ref, own, topk: Any = None, kv: Any = None) -> dict[str,
     return options
 
 
+def suite_computed(options: dict[str, Any], own) -> dict[str, Any]:
+    """What a suite step computes that its options leave to the code, for its hash: the
+    registered families when the study names none, and the multi-turn policies when a family
+    it reads has turn modes on a model with a decoder (the suite runs every policy of
+    `ced.inference.POLICIES`). Without them a new policy or family would leave a finished
+    suite fresh, never read; each key is present only where it changes what is computed, so
+    a step it does not touch keeps its hash."""
+    from ced.inference import POLICIES
+    from evals.suites.families import FAMILIES
+    named = options.get("families")
+    computed: dict[str, Any] = {} if named else {"families": list(FAMILIES)}
+    families = named or list(FAMILIES)
+    if own.has_decoder and any(f in FAMILIES and FAMILIES[f].turn_modes for f in families):
+        computed["policies"] = list(POLICIES)
+    return computed
+
+
 def stream(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str]:
     """Run `cmd`, copying its output (stdout and stderr) to ours and to `log` as it comes;
     returns (return code, the last lines)."""
@@ -921,8 +938,8 @@ class Study:
                 label = (run_label + ("" if topk is None else f"@topk={topk}")
                          + ("" if kv is None else f"@kv={kv}"))
                 out = self.out / "suite" / label
-                inputs = {"suite": suite_options(spec, ref, own, topk=topk, kv=kv),
-                          "trained": trained}
+                options = suite_options(spec, ref, own, topk=topk, kv=kv)
+                inputs = {"suite": options, **suite_computed(options, own), "trained": trained}
                 yield {"key": f"suite/{label}", "label": label, "run": run_label, "out": out,
                        "done": out / "summary.json", "hash": config_hash(inputs),
                        "inputs": inputs, "written": written, "final": final}

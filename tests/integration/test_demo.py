@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,34 @@ def test_the_plan_lists_every_step_and_what_changed(tiny_study, tmp_path, capsys
     assert not study._fresh("suite ced/seed0", step)
     assert ("suite ced/seed0: inputs changed (suite.replay gained 3W); rerunning"
             in capsys.readouterr().out)
+
+
+def test_a_new_multi_turn_policy_reruns_exactly_the_suites_that_read_it(tiny_study, tmp_path,
+                                                                        monkeypatch):
+    """The suite runs every policy of ced.inference.POLICIES on a multi-turn family: a policy
+    registered after a study's suites ran makes the plan rerun those suites, naming it."""
+    import ced.inference
+    from experiments.run import Study, _step_record, _write_stamp
+    first, _ = tiny_study
+    out = tmp_path / "study"
+    shutil.copytree(first / "runs", out / "runs")      # the trained checkpoints and records
+    multi = changed_tiny(tmp_path / "multi.yaml", "families: [recall, short]",
+                         "families: [recall, short, multiturn]")
+    study = Study(load_study(str(multi)), out, 1, wandb=False)
+    for step in study._suite_steps(study.checkpoints()):   # as if every suite had run
+        step["done"].parent.mkdir(parents=True, exist_ok=True)
+        step["done"].write_text("{}")
+        _write_stamp(step["out"], _step_record(step, checkpoint=str(step["final"])))
+    rows = {r["run"]: r for r in study.plan()}
+    assert rows["suite/ced/seed0"]["action"] == "skip", rows["suite/ced/seed0"]
+    monkeypatch.setattr(ced.inference, "POLICIES", (*ced.inference.POLICIES, "dummy_policy"))
+    rows = {r["run"]: r for r in study.plan()}
+    for key in ("suite/ced/seed0", "suite/ced/seed0@kv=global:fp8", "suite/yoco/seed0"):
+        assert rows[key]["action"] == "rerun", rows[key]
+        assert rows[key]["reason"] == "inputs changed (policies gained dummy_policy)"
+    # the tiny study reads no multi-turn family: its suites' hashes do not hold the policies
+    plain = Study(load_study("tiny"), out, 1, wandb=False)
+    assert all("policies" not in s["inputs"] for s in plain._suite_steps(plain.checkpoints()))
 
 
 def test_a_plan_that_would_refuse_a_run_exits_2(tiny_study, tmp_path):
