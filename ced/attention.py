@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -99,6 +100,33 @@ class ForwardContext:
     # Document mask (training on packed rows): LongTensor[B, K] of positions where documents
     # start; None: one document per row. See CEDModel.forward.
     document_starts: Tensor | None = None
+    # The masks this call's layers share (`shared`): built by the first layer that needs one,
+    # read by the others.
+    masks: dict = field(default_factory=dict)
+
+
+# Whether `shared` shares masks across the layers of a call. False builds each mask where it is
+# used, layer by layer and block by block: the computation tests/unit/test_shared_masks.py
+# compares the shared one against, bit for bit. Nothing else sets it.
+SHARE_MASKS = True
+
+
+def shared(memo: dict | None, build: Callable, *args):
+    """build(*args), once per memo (`ForwardContext.masks`: one forward or engine call) for the
+    same tensors and equal other arguments. Why: the layers of a part see the same window
+    bounds and document mask, and the Reuse layers of a reselection group the same picks, so
+    their per-block masks are equal tensors; rebuilding them in every layer and block cost
+    about 60-100 ms of a 2 s training step at the depth study's L_d = 20 (benchmarks/README.md).
+    Tensors are keyed by identity, which is sound because the memo keeps them alive (no id is
+    reused while it lives) and nothing modifies them in place; an argument that is not a tensor
+    (an int, a dtype, None) is keyed by value. Returns what build returns."""
+    if memo is None or not SHARE_MASKS:
+        return build(*args)
+    key = (build, *(id(a) if isinstance(a, Tensor) else a for a in args))
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = (args, build(*args))
+    return hit[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +184,49 @@ def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
     target = torch.where(valid, index, spare).clamp_max(n_read)
     mask = torch.zeros(*index.shape[:2], n_read + 1, dtype=torch.bool, device=index.device)
     return mask.scatter_(-1, target, True)[..., :n_read]
+
+
+# The per-block masks of `attend`'s key sets, each a function of tensors one call's layers share
+# (so `shared` builds each once per call): True where a query may not read the key (slot).
+
+
+def _window_block(lower: Tensor, key_positions: Tensor, query_positions: Tensor, c0: int,
+                  c1: int) -> tuple[int, int, Tensor]:
+    """The window keys of queries c0:c1: window keys at ascending key_positions [S], lower
+    [B|1, Tq] (`window_lower_bound`), query_positions [Tq] -> (first, last): the rows
+    first:last of the keys that some query of the block sees, and hidden [B|1, 1, C, last -
+    first]: key p hidden from query i unless lower(i) <= p <= i."""
+    low, qpos = lower[:, c0:c1], query_positions[c0:c1]
+    first = int(torch.searchsorted(key_positions, low.min()))
+    last = int(torch.searchsorted(key_positions, qpos[-1], right=True))
+    kpos = key_positions[first:last]
+    hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
+    return first, last, hidden[:, None]
+
+
+def _unpicked_entries(index: Tensor, valid: Tensor, c0: int, c1: int, n_read: int) -> Tensor:
+    """A masked top-k read of queries c0:c1: the selection's index/valid [B, Tq, k] ->
+    hidden [B, 1, C, n_read], every entry the query did not pick."""
+    return ~_chosen_mask(index[:, c0:c1], valid[:, c0:c1], n_read)[:, None]
+
+
+def _empty_slots(valid: Tensor, c0: int, c1: int) -> Tensor:
+    """A gathered top-k read of queries c0:c1: valid [B, Tq, k] -> hidden [B, 1, C, k], the
+    padding slots."""
+    return ~valid[:, c0:c1][:, None]
+
+
+def _invisible_entries(query_positions: Tensor, compress_ratio: int, first_entry: Tensor | None,
+                       c0: int, c1: int, n_read: int) -> Tensor:
+    """A dense global read of queries c0:c1 at query_positions [Tq]: hidden [B|1, 1, C, n_read],
+    the entries not yet complete (`visible_entries`) and, under a document mask first_entry
+    [B, Tq] (`first_visible_entry`), those before the query's document."""
+    entry = torch.arange(n_read, device=query_positions.device)
+    n_visible = visible_entries(query_positions[c0:c1], compress_ratio)
+    hidden = (entry[None, :] >= n_visible[:, None])[None, None]
+    if first_entry is not None:
+        hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
+    return hidden
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,13 +414,23 @@ class _FlashSet:
     index: Tensor | None = None
 
 
-def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor) -> _FlashSet:
+def _additive(hidden: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """hidden (bool) -> the fused kernel's additive mask in dtype (-inf where hidden, else 0)
+    and the query rows that see none of the keys, hidden.all(-1)."""
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    return mask.masked_fill_(hidden, -torch.inf), hidden.all(-1)
+
+
+def _flash_set(ks: KeySet, parent: int, start: int, q: Tensor,
+               masks: dict | None = None) -> _FlashSet:
     """`ks` as the fused read takes it: its keys are rows start:start + width of parents[parent]
-    (and its values of parents[parent + 1]); its hidden mask made additive in q's dtype."""
-    mask = None if ks.causal else torch.zeros(ks.hidden.shape, dtype=q.dtype,
-                                              device=q.device).masked_fill_(ks.hidden, -torch.inf)
-    return _FlashSet(parent, start, start + ks.width, mask,
-                     None if ks.causal else ks.hidden.all(-1), ks.causal, ks.gathered, ks.index)
+    (and its values of parents[parent + 1]); its hidden mask made additive in q's dtype (once
+    per `masks` memo for a hidden mask the layers share, see `shared`)."""
+    mask = empty = None
+    if not ks.causal:
+        mask, empty = shared(masks, _additive, ks.hidden, q.dtype)
+    return _FlashSet(parent, start, start + ks.width, mask, empty, ks.causal, ks.gathered,
+                     ks.index)
 
 
 def _flash_kv(parents: tuple, fs: _FlashSet) -> tuple[Tensor, Tensor]:
@@ -603,8 +684,8 @@ _WINDOW_SLOT, _ENTRY_SLOT, _GATHERED_SLOT = 0, 2, 4
 def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
            source: SourceKV | None, selection: Selection | None, sink: Tensor | None,
            block: int, want_global_probs: bool = False,
-           global_read: str = "auto", first_entry: Tensor | None = None
-           ) -> tuple[Tensor, Tensor | None]:
+           global_read: str = "auto", first_entry: Tensor | None = None,
+           masks: dict | None = None) -> tuple[Tensor, Tensor | None]:
     """Attention of queries over their window keys and global entries, in query blocks.
 
     q: [B, H, Tq, Dh] (rotated) at query_positions [Tq]; lower: [B|1, Tq] from
@@ -614,13 +695,17 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     how a top-k read runs per block (`ced.config.global_read_is_masked`: a gather of the k
     entries, or one matmul over the visible entries with the unselected ones masked; the same
     softmax over the same entries either way); first_entry: [B, Tq] or None, the document
-    mask of a dense read (`first_visible_entry`; a top-k selection already respects it).
+    mask of a dense read (`first_visible_entry`; a top-k selection already respects it);
+    masks: the call's `ForwardContext.masks`, or None: the per-block masks are then built here
+    (with it, once a call for the layers that share them, see `shared`).
     Returns the output [B, H, Tq, Dh] and, if asked, the attention mass on global entries
     summed over heads, [B, Tq, k] (selected read) or [B, Tq, E] (dense read), detached.
 
     Why this stays one function, over 60 lines: it is the one readable place for the visibility
     rules (which window keys a query sees, which global entries are visible and selected, how
-    the three read forms mask them). Each block's rules become KeySets; the one softmax over
+    the three read forms mask them; each form's per-block mask is a function just above,
+    `_window_block`, `_unpicked_entries`, `_empty_slots`, `_invisible_entries`, of tensors the
+    layers of a call share, so that it is built once a call). Each block's rules become KeySets; the one softmax over
     all of them and the sink is taken by the fused CPU kernel for every block at once
     (`_FlashRead`) or by `joint_read` per block (the reference: bf16 gathers, other devices): the
     same quantity. Training, parallel evaluation and the engine all run through it.
@@ -641,38 +726,33 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     blocks, any_gathered = [], False
     for c0 in range(0, n_queries, block):
         c1 = min(c0 + block, n_queries)
-        qpos = query_positions[c0:c1]
         key_sets: list[KeySet] = []
         spans: list[tuple[int, int] | None] = []
         if window is not None:
-            low = lower[:, c0:c1]
-            first = int(torch.searchsorted(window.positions, low.min()))
-            last = int(torch.searchsorted(window.positions, qpos[-1], right=True))
-            kpos = window.positions[first:last]
-            hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
+            first, last, hidden = shared(masks, _window_block, lower, window.positions,
+                                         query_positions, c0, c1)
             key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
-                                   hidden[:, None], causal=causal))
+                                   hidden, causal=causal))
             spans.append((_WINDOW_SLOT, first))
         masked, idx = False, None
         if source is not None:
             n_read = int(n_visible[c1 - 1])
             if sparse:
-                idx, valid = selection.index[:, c0:c1], selection.valid[:, c0:c1]
+                idx = selection.index[:, c0:c1]
                 masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
                                                h // source.k.shape[1])
             if sparse and not masked:
-                key_sets.append(KeySet(source.k, source.v, ~valid[:, None], gathered=True,
-                                       index=idx))
+                hidden = shared(masks, _empty_slots, selection.valid, c0, c1)
+                key_sets.append(KeySet(source.k, source.v, hidden, gathered=True, index=idx))
                 spans.append((_GATHERED_SLOT, 0))
                 any_gathered = True
             else:
                 if masked:
-                    hidden = ~_chosen_mask(idx, valid, n_read)[:, None]
+                    hidden = shared(masks, _unpicked_entries, selection.index, selection.valid,
+                                    c0, c1, n_read)
                 else:
-                    entry = torch.arange(n_read, device=q.device)
-                    hidden = (entry[None, :] >= n_visible[c0:c1, None])[None, None]
-                    if first_entry is not None:
-                        hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
+                    hidden = shared(masks, _invisible_entries, query_positions,
+                                    source.compress_ratio, first_entry, c0, c1, n_read)
                 if entry_k is None:
                     entry_k, entry_v = _per_query_head(source.k, h), _per_query_head(source.v, h)
                 key_sets.append(KeySet(entry_k[:, :, :n_read], entry_v[:, :, :n_read], hidden,
@@ -684,8 +764,9 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     global_probs = []
     if all(_flash_applies(q, key_sets) for _, _, key_sets, *_ in blocks):
         # every block through the fused kernel, in one autograd node (see _FlashRead)
-        plan = [(c0, c1, tuple(_flash_set(ks, *span, q) for ks, span in zip(key_sets, spans)
-                               if ks.width > 0)) for c0, c1, key_sets, spans, *_ in blocks]
+        plan = [(c0, c1, tuple(_flash_set(ks, *span, q, masks)
+                               for ks, span in zip(key_sets, spans) if ks.width > 0))
+                for c0, c1, key_sets, spans, *_ in blocks]
         parents = (window.k if window is not None else None,
                    window.v if window is not None else None,
                    entry_k, entry_v, *((source.k, source.v) if any_gathered else ()))

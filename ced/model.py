@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import (ForwardContext, Selection, SourceKV, WindowKV, _gather_entries,
-                        attend)
+                        attend, shared)
 from .config import LayerSpec, ModelConfig, build_plan, executed_ff_dim, keep_from
 from .quant import KVStorage, store
 from .semantics import (as_replay_starts, entry_visibility, first_visible_entry, latest_start,
@@ -229,8 +229,8 @@ class Attention(nn.Module):
                 keys = WindowKV(k, v, positions)
 
         selection = None
-        first = (first_visible_entry(positions, source.compress_ratio, ctx.document_starts)
-                 if source is not None else None)
+        first = (shared(ctx.masks, first_visible_entry, positions, source.compress_ratio,
+                        ctx.document_starts) if source is not None else None)
         if source is not None and cfg.topk is not None:
             if self.indexer is not None:
                 selection = self._select(x, positions, source, first, ctx)
@@ -242,7 +242,8 @@ class Attention(nn.Module):
         train_indexer = ctx.want_aux and self.indexer is not None
         out, global_probs = attend(q, positions, lower, keys, source, selection, self.sink,
                                    cfg.attention_block, want_global_probs=train_indexer,
-                                   global_read=cfg.global_read, first_entry=first)
+                                   global_read=cfg.global_read, first_entry=first,
+                                   masks=ctx.masks)
         if train_indexer:
             ctx.indexer_kl.append(_indexer_kl(global_probs, selection, positions, source, first))
 
@@ -419,7 +420,8 @@ class CEDModel(nn.Module):
                    ctx: ForwardContext, replay_starts: Tensor | None = None) -> Tensor:
         """Run new positions [T] (contiguous) with hidden state h [B, T, D] through the
         'encoder' or 'decoder' layers; window queries are truncated at `replay_starts`
-        ([B, K] or None) on top of whatever positions the window caches lack."""
+        ([B, K] or None) on top of whatever positions the window caches lack. The layers'
+        masks are built once for the call and shared (`ced.attention.shared`)."""
         for spec in self.plan.part(part):
             block = self.blocks[spec.index]
             x = block.attn_norm(h)
@@ -428,7 +430,8 @@ class CEDModel(nn.Module):
                 self.sources[fed].append(state.sources[fed], x, positions)
             lower = None
             if block.attn.has_window:
-                lower = window_lower_bound(positions, spec.window, replay_starts)
+                lower = shared(ctx.masks, window_lower_bound, positions, spec.window,
+                               replay_starts)
             source = state.sources[spec.global_source] if spec.global_source is not None else None
             h = h + self.drop(block.attn(x, positions, lower, state.windows[spec.index],
                                          source, ctx))

@@ -152,6 +152,34 @@ def test_a_new_task_is_swept_by_the_suite_and_trained_by_data_synthetic(parrot_t
                         "train").families == ["parrot"]
 
 
+def study_training_data() -> dict[str, tuple[dict, list[str] | None]]:
+    """study/scale/job -> (its composed data config, the tasks its training source draws) of
+    every study job."""
+    out = {}
+    for path in sorted(STUDY_DIR.glob("*.yaml")):
+        for scale in ("demo", "full"):
+            study = load_study(path.stem, scale)
+            for job in study.jobs:
+                data = compose_train([*study.train, *job.overrides]).data
+                out[f"{path.stem}/{scale}/{job.name}"] = (
+                    OmegaConf.to_container(data, resolve=True),
+                    getattr(build_source(data, "train"), "families", None))
+    return out
+
+
+def test_a_new_task_changes_what_no_study_trains():
+    """Studies name their tasks (data.only): a task registered later enters data=synthetic's
+    mix, not a study's."""
+    before = study_training_data()
+    task("parrot", chance=lambda p: 1 / 3 ** p["word_len"], sweeps=())(parrot)
+    try:
+        assert "parrot" in build_source(compose_train(["data=synthetic"]).data,
+                                        "train").families
+        assert study_training_data() == before
+    finally:
+        unregister("parrot")
+
+
 # ---- model configs: a base plus deltas, composed as before ------------------------------------
 @pytest.mark.parametrize("name", ["dense", "swa", "yoco", "ced", "tiny"])
 def test_model_configs_compose_to_those_of_main(name):
