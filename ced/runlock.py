@@ -1,11 +1,11 @@
-"""One writer per directory: a lock file that a training run holds on its run directory and the
+"""One writer per directory: a lock that a training run holds on its run directory and the
 study driver on its study directory.
 
-The lock is a file `.lock` holding the owner's process id, host and start time, created with
-O_CREAT | O_EXCL (atomic: of two processes racing for it, exactly one creates it) and removed
-when the owner exits, also on an error. A lock whose process is gone (same host, no such pid)
-is stale: the next writer takes it over with a warning. A lock of another host is never taken
-over: that process cannot be checked from here, so the message says how to remove it by hand.
+The lock is a kernel file lock (flock, through `filelock`) on `<directory>/.lock`: the kernel
+frees it when its process ends, killed or not, so a lock is never stale. Who holds it is
+written beside it, in `.lock.json` (process id, host, command, start time), once the lock is
+taken; a second writer is refused in one line that names that holder. A holder record left by
+a killed process is overwritten by the next writer, which says whose lock it was.
 """
 
 from __future__ import annotations
@@ -19,89 +19,58 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 LOCK = ".lock"
-# A lock file still empty after this many seconds was left by a process that died between
-# creating it and writing its owner (a few microseconds apart): stale.
-EMPTY_LOCK_GRACE_S = 10.0
+HOLDER = ".lock.json"
 
 
 class DirectoryLocked(RuntimeError):
     """Another live process writes into the directory; the message is one line."""
 
 
-def _alive(pid: int) -> bool:
+def _holder(path: Path) -> dict:
+    """The holder record; {} when there is none yet (the holder is between taking the lock
+    and writing it) or it cannot be read."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:       # someone else's live process
-        return True
-    return True
-
-
-def _holder(path: Path) -> dict | None:
-    """The lock's owner record; {} for an empty or unreadable file; None if it is gone."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
 
 
-def _stale(path: Path, holder: dict) -> bool:
-    if not holder:
-        try:
-            return time.time() - path.stat().st_mtime > EMPTY_LOCK_GRACE_S
-        except FileNotFoundError:
-            return True
-    pid = holder.get("pid")
-    return (holder.get("host") == socket.gethostname() and isinstance(pid, int)
-            and not _alive(pid))
+def _refusal(directory: Path, what: str, holder: dict) -> DirectoryLocked:
+    command = " ".join(str(a) for a in holder.get("argv") or [])
+    who = (f"process {holder.get('pid')} on {holder.get('host')} ({command}) since "
+           f"{holder.get('started')}" if holder else "a process that is starting")
+    return DirectoryLocked(f"{directory}: this {what} directory is in use by {who} "
+                           f"({directory / LOCK}); wait for it to end or stop it")
 
 
 @contextmanager
 def directory_lock(directory: Path, what: str = "run") -> Iterator[Path]:
     """Hold `directory/.lock` for the duration of the block (creating the directory); a
-    DirectoryLocked error if a live process holds it. `what` names the directory's kind in
+    DirectoryLocked error if another process holds it. `what` names the directory's kind in
     the message ("run", "study")."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LOCK
-    me = {"pid": os.getpid(), "host": socket.gethostname(),
-          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[:8]}
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _holder(path)
-            if holder is None:
-                continue                       # released meanwhile: try again
-            if not _stale(path, holder):
-                who = (f"process {holder.get('pid')} on {holder.get('host')} since "
-                       f"{holder.get('started')}" if holder else "a process that is starting")
-                remote = holder and holder.get("host") != socket.gethostname()
-                raise DirectoryLocked(
-                    f"{directory}: this {what} directory is in use by {who} ({path}); wait for "
-                    f"it to end or stop it" + (f"; if that host is gone, delete {path}"
-                                               if remote else "")) from None
-            print(f"warning: {path}: taking over the lock of process {holder.get('pid')}, "
-                  f"which is gone", file=sys.stderr)
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as handle:
-            handle.write(json.dumps(me))
-        break
-    else:
-        raise DirectoryLocked(f"{directory}: could not take the lock {path} (it changed hands "
-                              f"three times while trying); try again")
+    lock, record = FileLock(directory / LOCK), directory / HOLDER
     try:
-        yield path
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise _refusal(directory, what, _holder(record)) from None
+    try:
+        left = _holder(record)
+        if left.get("pid") not in (None, os.getpid()):
+            # the lock was free, so whoever wrote this record ended without releasing it
+            print(f"warning: {directory / LOCK}: taking over the lock of process "
+                  f"{left.get('pid')}, which is gone", file=sys.stderr)
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[:8]}
+        tmp = record.with_name(f"{HOLDER}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(me))
+        os.replace(tmp, record)      # whole or absent: a refused writer never reads half
+        yield directory / LOCK
     finally:
-        if (_holder(path) or {}).get("pid") == me["pid"]:
-            path.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)   # while still held: the next holder writes its own
+        lock.release()

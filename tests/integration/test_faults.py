@@ -168,11 +168,12 @@ def test_a_second_writer_is_refused_in_one_line_and_a_dead_ones_lock_is_taken_ov
     finally:
         first.kill()
         first.wait()
-    # killed with SIGKILL: its lock stays behind, stale; the next writer takes it over
-    assert (run / ".lock").exists()
+    # killed with SIGKILL: the kernel freed its lock; its holder record stays behind, and the
+    # next writer takes the lock and says whose it was
+    assert (run / ".lock.json").exists()
     third = run_train(run, *LONG, "train.steps=8", EXTEND, "train.resume=auto")
-    assert "taking over the lock of process" in third.stderr
-    assert not (run / ".lock").exists()                  # released at the end
+    assert f"taking over the lock of process {first.pid}" in third.stderr
+    assert not (run / ".lock.json").exists()             # released at the end
 
 
 def test_a_study_directory_has_one_driver(tmp_path):
@@ -188,7 +189,7 @@ def test_a_study_directory_has_one_driver(tmp_path):
         with pytest.raises(DirectoryLocked):
             with directory_lock(study, "study"):
                 pass
-    assert not (study / ".lock").exists()
+    assert not (study / ".lock.json").exists()
 
 
 # ---- 4. pre-emption and Ctrl-C -----------------------------------------------------------------
