@@ -1,8 +1,8 @@
 """Statistics for accuracy tables, at two levels of replication.
 
 Example level (the examples of one trained model, or of several pooled as if independent):
-Wilson intervals, the exact McNemar test on paired outcomes, Holm's step-down adjustment
-(pure Python; tests/unit/test_stats.py checks them against scipy).
+Wilson intervals and the exact binomial test (scipy's), the exact McNemar test on paired
+outcomes, Holm's step-down adjustment (pure Python; tests/unit/test_stats.py checks it).
 
 Model level (the trained model, i.e. the training seed, as the unit): a hierarchical bootstrap
 (seeds, then examples within each drawn seed), a crossed one (models and the documents they all
@@ -19,26 +19,24 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def wilson_interval(correct: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """95% Wilson score interval for a binomial proportion (good at 0/n and n/n, unlike the
-    normal approximation). n = 0 gives (0, 1)."""
+def wilson_interval(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (good at 0/n and n/n, unlike the
+    normal approximation), `scipy.stats.binomtest`'s. n = 0 gives (0, 1)."""
     if n == 0:
-        return 0.0, 1.0
-    p = correct / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+        return 0.0, 1.0     # scipy refuses n = 0; no data bounds nothing
+    # imported here: scipy.stats takes seconds to import, and the suite runner imports this
+    from scipy.stats import binomtest
+    ci = binomtest(correct, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def binomial_two_sided(k: int, n: int) -> float:
-    """Exact two-sided p-value of k successes in n fair coin flips (Binomial(n, 1/2)):
-    2 * P(X <= min(k, n - k)), capped at 1."""
+    """Exact two-sided p-value of k successes in n fair coin flips (Binomial(n, 1/2)),
+    `scipy.stats.binomtest`'s (for p = 1/2: 2 * P(X <= min(k, n - k)), capped at 1)."""
     if n == 0:
-        return 1.0
-    low = min(k, n - k)
-    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
+        return 1.0          # scipy refuses n = 0; no flips are no evidence
+    from scipy.stats import binomtest     # lazily, as in wilson_interval
+    return float(binomtest(k, n, 0.5).pvalue)
 
 
 def mcnemar_exact(reference: list[bool], other: list[bool]) -> dict:

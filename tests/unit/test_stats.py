@@ -17,11 +17,32 @@ from evals.suites.stats import (binomial_two_sided, clopper_pearson, crossed_boo
                                 wilson_interval)
 
 
-@pytest.mark.parametrize("correct,n", [(0, 1), (0, 20), (3, 20), (10, 20), (20, 20), (197, 200),
-                                       (1, 7200), (4187, 4200)])
-def test_wilson_interval_equals_scipy(correct, n):
-    ci = sps.binomtest(correct, n).proportion_ci(method="wilson")
-    assert wilson_interval(correct, n) == pytest.approx((ci.low, ci.high), abs=1e-12)
+def closed_form_wilson(correct: int, n: int, z: float = 1.959963984540054):
+    """The Wilson interval by its formula (what evals.suites.stats computed before it used
+    scipy's)."""
+    p = correct / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def counted_two_sided(k: int, n: int) -> float:
+    """2 * P(X <= min(k, n - k)) for X ~ Binomial(n, 1/2), capped at 1, by exact counting."""
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2 ** n)
+
+
+GRID = [(k, n) for n in [*range(1, 41), 97, 200, 1000, 7200] for k in
+        sorted({*range(min(n, 40) + 1), n // 3, n // 2, n - 3, n - 1, n} & set(range(n + 1)))]
+
+
+def test_the_binomial_pieces_equal_their_closed_forms():
+    """scipy.stats.binomtest gives the numbers the closed forms gave, to 1e-12."""
+    for k, n in GRID:
+        assert wilson_interval(k, n) == pytest.approx(closed_form_wilson(k, n), abs=1e-12), (k, n)
+        assert binomial_two_sided(k, n) == pytest.approx(counted_two_sided(k, n),
+                                                         abs=1e-12), (k, n)
+    assert wilson_interval(0, 0) == (0.0, 1.0) and binomial_two_sided(0, 0) == 1.0
 
 
 @pytest.mark.parametrize("seed", range(6))
