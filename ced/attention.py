@@ -618,6 +618,8 @@ def _set_probs(q: Tensor, ks: KeySet, total: Tensor) -> Tensor:
     """The joint softmax's probabilities over one key set [B, H, C, S] (a gathered set: over
     its slots, [B, H, C, k]), recomputed from the joint log-sum-exp `total` [B, H, C]
     (detached)."""
+    if ks.width == 0:       # no entry complete yet: a gathered set of no slots has no picks
+        return q.new_zeros(*q.shape[:3], 0)
     with torch.no_grad():
         scores = (_Picks(ks.index, ks.k, q.shape[1]).dots(q, ks.k) if ks.gathered
                   else torch.matmul(q, ks.k.transpose(-1, -2)))
