@@ -2,7 +2,8 @@
 study driver on its study directory.
 
 The lock is a kernel file lock (flock, through `filelock`) on `<directory>/.lock`: the kernel
-frees it when its process ends, killed or not, so a lock is never stale. Who holds it is
+frees it when its process ends, killed or not, so a lock is never stale. The holder removes
+the file when it releases the lock, so a directory keeps only what was written into it. Who holds it is
 written beside it, in `.lock.json` (process id, host, command, start time), once the lock is
 taken; a second writer is refused in one line that names that holder. A holder record left by
 a killed process is overwritten by the next writer, which says whose lock it was.
@@ -54,11 +55,8 @@ def directory_lock(directory: Path, what: str = "run") -> Iterator[Path]:
     the message ("run", "study")."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    lock, record = FileLock(directory / LOCK), directory / HOLDER
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise _refusal(directory, what, _holder(record)) from None
+    record = directory / HOLDER
+    lock = _acquire(directory, what, record)
     try:
         left = _holder(record)
         if left.get("pid") not in (None, os.getpid()):
@@ -73,4 +71,37 @@ def directory_lock(directory: Path, what: str = "run") -> Iterator[Path]:
         yield directory / LOCK
     finally:
         record.unlink(missing_ok=True)   # while still held: the next holder writes its own
+        # the lock file goes too, while still held, so that a run directory holds only what
+        # the run wrote; a writer that opened the old file meanwhile sees it unlinked and
+        # tries again (`_acquire`)
+        (directory / LOCK).unlink(missing_ok=True)
         lock.release()
+
+
+def _acquire(directory: Path, what: str, record: Path) -> FileLock:
+    """Take `directory/.lock` without waiting; DirectoryLocked naming the holder if another
+    process has it. A lock taken on a file that its holder unlinked on release (the path now
+    names another file, or none) is no lock: released and taken again."""
+    for _ in range(8):
+        lock = FileLock(directory / LOCK)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise _refusal(directory, what, _holder(record)) from None
+        if _same_file(lock, directory / LOCK):
+            return lock
+        lock.release()
+    raise _refusal(directory, what, _holder(record))
+
+
+def _same_file(lock: FileLock, path: Path) -> bool:
+    """Whether the file `lock` holds is the one `path` names now. filelock keeps its file
+    descriptor on a private context; without it (another filelock version) the check passes,
+    as it did before the lock file was removed on release."""
+    fd = getattr(getattr(lock, "_context", None), "lock_file_fd", None)
+    if fd is None:
+        return True
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False

@@ -55,3 +55,23 @@ def test_the_lock_of_a_killed_process_is_free_again(tmp_path, capsys):
     with directory_lock(tmp_path, "study"):
         assert json.loads((tmp_path / HOLDER).read_text())["pid"] == os.getpid()
     assert f"taking over the lock of process {proc.pid}, which is gone" in capsys.readouterr().err
+
+
+def test_a_released_lock_leaves_nothing_and_a_lock_on_an_unlinked_file_is_retaken(tmp_path):
+    """The holder removes `.lock` on release, so a directory keeps only what was written into
+    it; a writer whose flock landed on the file a releasing holder just unlinked holds no lock
+    (another writer can create and lock a new file at the same path), so it takes it again."""
+    from filelock import FileLock
+
+    from ced import runlock
+    with directory_lock(tmp_path, "run"):
+        assert (tmp_path / runlock.LOCK).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    stale = FileLock(tmp_path / runlock.LOCK)
+    stale.acquire(timeout=0)
+    assert runlock._same_file(stale, tmp_path / runlock.LOCK)
+    (tmp_path / runlock.LOCK).unlink()              # as a releasing holder does
+    assert not runlock._same_file(stale, tmp_path / runlock.LOCK)
+    (tmp_path / runlock.LOCK).touch()               # a new file at the same path
+    assert not runlock._same_file(stale, tmp_path / runlock.LOCK)
+    stale.release()
