@@ -102,16 +102,24 @@ def _published_markdown(study: Path, out: Path, info: dict, training) -> str:
     per N and token class, each model's KL per N, and the lm-eval drops pooled over distance."""
     base = pd.read_csv(out / "baselines.csv")
     base = base.assign(below_bigram=base["bigram_nll"] - base["nll_exact"])
+    if "xz9_nll" in base:           # readings before the xz anchor have no such column
+        base = base.assign(below_xz9=base["xz9_nll"] - base["nll_exact"])
     classes = pd.read_csv(out / "kl_by_class.csv")
     seeds, models = classes[classes["level"] == "seeds"], classes[classes["level"] == "model"]
     md = [f"# {study.name}: real-text findings tables (python -m analysis.findings)", "",
           *provenance_markdown(info),
-          "## Competence: held-out NLL (nats per byte) against the n-gram baselines", "",
-          markdown(base, ["job", "seed", "variant", "parameters", "nll_exact", "unigram_nll",
-                           "bigram_nll", "below_bigram", "bytes"], digits=4),
-          "## Training (last logged step)", "",
-          markdown(training, ["job", "seed", "parameters", "step", "train_loss", "val_loss"],
-                    digits=4),
+          "## Competence: held-out NLL (nats per byte) against the n-gram baselines and "
+          "`xz -9` (xz9_nll: the files as one stream; xz9_scored_nll: per file, on the bytes "
+          "after the context; below_xz9 > 0: the model beats the stream)", "",
+          markdown(base, [c for c in ["job", "seed", "variant", "parameters", "nll_exact",
+                                      "unigram_nll", "bigram_nll", "below_bigram", "xz9_nll",
+                                      "xz9_scored_nll", "below_xz9", "bytes"] if c in base],
+                   digits=4),
+          "## Training (last logged step; val_loss_last_change < 0: validation NLL was still "
+          "falling between the last two evaluations)", "",
+          markdown(training, [c for c in ["job", "seed", "parameters", "step", "train_loss",
+                                          "val_loss", "val_loss_last_change"] if c in training],
+                   digits=4),
           "## KL(exact || replay N) per byte, pooled over each job's models (seed-level CI: "
           "models and files drawn crossed)", "",
           markdown(seeds, ["job", "replay", "N", "group", "models", "files", "bytes", "kl_mean",

@@ -242,8 +242,11 @@ def training_table(runs: dict) -> pd.DataFrame:
                "train_loss": float(m["loss"].iloc[-1]) if "loss" in m and len(m) else None}
         paired = validation_loss_column(loss_on)
         if paired in m and m[paired].notna().any():
-            last = m.dropna(subset=[paired]).iloc[-1]
+            evaluated = m.dropna(subset=[paired])
+            last = evaluated.iloc[-1]
             row["val_loss"] = float(last[paired])          # like with like: train_loss
+            if len(evaluated) > 1:      # < 0: validation was still falling at the last step
+                row["val_loss_last_change"] = float(last[paired] - evaluated[paired].iloc[-2])
             if paired != "val/loss" and "val/loss" in m:
                 row["val_loss_all_tokens"] = float(last["val/loss"])
             for col in m.columns:

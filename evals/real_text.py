@@ -45,7 +45,8 @@ Writes into --out:
                      parameters and exact NLL on the scored bytes, beside the unigram
                      and bigram NLL on the same bytes (counts from the train split; add-k
                      smoothing with k chosen on the validation bytes themselves, which favours
-                     the baselines)
+                     the baselines) and `xz -9` on the same files (`xz_nll`: as one stream,
+                     and per file on the bytes after the context)
   kl_by_position.png, kl_by_class.png
 """
 
@@ -419,13 +420,44 @@ def score_checkpoint(checkpoint: str, replays: list[str], continuation: str, pas
     return table, lengths, g, {**label, "nll_exact": float(first.mean()), "bytes": len(first)}
 
 
-def baselines(fraction: float, rows: Rows) -> dict[str, float]:
-    """Unigram and bigram NLL on the scored bytes of `rows`, counted on the train split."""
+def xz_nll(files: list[bytes], context: int) -> dict[str, float]:
+    """What `xz -9` pays for the held-out bytes, in nats per byte (bits per byte * ln 2): the
+    familiar anchor a language model of bytes should beat.
+
+    xz9_nll        every file concatenated into one `xz -9` stream (.xz container,
+                   `lzma.compress(preset=9)`), over all their bytes: what
+                   `cat FILES | xz -9 | wc -c` gives. The stricter anchor: xz reads across
+                   files, which the model never does.
+    xz9_scored_nll each file alone, raw LZMA2 at preset 9 (no container): the compressed size
+                   of the whole file less that of its first `context` bytes, over the bytes
+                   after them, i.e. xz's cost of the bytes the model scores given the prefix
+                   the model has too (xz then reads the whole file back; the model at most its
+                   row)."""
+    import lzma
+    raw = [{"id": lzma.FILTER_LZMA2, "preset": 9}]
+
+    def size(data: bytes) -> int:
+        return len(lzma.compress(data, format=lzma.FORMAT_RAW, filters=raw)) if data else 0
+
+    total = sum(len(d) for d in files)
+    after = [d for d in files if len(d) > context]
+    scored = sum(len(d) - context for d in after)
+    if not total or not scored:
+        raise ValueError(f"no file is longer than context {context}: nothing for xz to score")
+    cost = sum(size(d) - size(d[:context]) for d in after)
+    nats = 8 * math.log(2)
+    return {"xz9_nll": nats * len(lzma.compress(b"".join(files), preset=9)) / total,
+            "xz9_scored_nll": nats * cost / scored}
+
+
+def baselines(fraction: float, rows: Rows, files: list[bytes], context: int) -> dict[str, float]:
+    """Unigram and bigram NLL on the scored bytes of `rows`, counted on the train split, and
+    `xz -9` on the held-out `files` (`xz_nll`)."""
     from ced.data.corpora import stdlib_streams
     train = stdlib_streams(fraction)["train"].numpy().astype(np.int64)
     targets = next_tokens(rows.ids)[rows.scored].numpy()
     previous = rows.ids[rows.scored].numpy()
-    return ngram_nll(train, targets, previous)
+    return ngram_nll(train, targets, previous) | xz_nll(files, context)
 
 
 @dataclass
@@ -497,7 +529,8 @@ def run(config: RealTextConfig) -> dict:
     fraction = fractions.pop()
     files = validation_files(fraction)[:max_files]
     # every byte at least `context` in is scored once whatever the row length: the same bytes
-    base = baselines(fraction, build_rows([d for _, d in files], row_len, context))
+    data = [d for _, d in files]
+    base = baselines(fraction, build_rows(data, row_len, context), data, context)
     pd.DataFrame([{**m, **base} for m in models]).to_csv(out / "baselines.csv", index=False)
     written = {"baselines": out / "baselines.csv"}
     if tables:
@@ -515,14 +548,15 @@ def run(config: RealTextConfig) -> dict:
 def real_text_scalars(classes, base) -> dict[str, float]:
     """Flat scalars for dashboards: mean KL per job, replay and class group
     (`kl/<job>/<replay>/<group>`, seed-level rows), exact NLL per job (`nll/<job>`) and the
-    n-gram baselines (`nll/unigram`, `nll/bigram`)."""
+    baselines (`nll/unigram`, `nll/bigram`, `nll/xz9`)."""
     out = {}
     for row in classes[classes["level"] == "seeds"].itertuples():
         out[f"kl/{row.job}/{row.replay}/{row.group}"] = row.kl_mean
     for job, part in base.groupby("job"):
         out[f"nll/{job}"] = part["nll_exact"].mean()
     if len(base):
-        out["nll/unigram"], out["nll/bigram"] = base["unigram_nll"].iloc[0], base["bigram_nll"].iloc[0]
+        for name in ("unigram", "bigram", "xz9"):
+            out[f"nll/{name}"] = base[f"{name}_nll"].iloc[0]
     return out
 
 

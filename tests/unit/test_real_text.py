@@ -208,6 +208,30 @@ def test_ngram_baselines_against_direct_counts():
     assert best["bigram_nll"] <= got["bigram_nll"]
 
 
+def test_xz_anchor_prices_structure_and_the_context():
+    """xz9_nll is `xz -9` of the files as one stream; xz9_scored_nll prices only the bytes after
+    each file's context: random bytes cost about 8 bits a byte (within 3%), a file that repeats
+    its own context costs far less after it than the random file, and a context no file exceeds
+    is refused."""
+    import lzma
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, 20000, dtype=np.uint8).tobytes()
+    block = rng.integers(0, 256, 500, dtype=np.uint8).tobytes()
+    repeated = block * 40
+    got = real_text.xz_nll([noise, repeated], context=500)
+    stream = lzma.compress(noise + repeated, preset=9)
+    assert got["xz9_nll"] == pytest.approx(8 * math.log(2) * len(stream) / 40000, rel=1e-12)
+    eight_bits = 8 * math.log(2)
+    alone = real_text.xz_nll([noise], context=500)["xz9_scored_nll"]
+    assert abs(alone / eight_bits - 1) < 0.03, alone
+    only_repeats = real_text.xz_nll([repeated], context=500)["xz9_scored_nll"]
+    assert only_repeats < 0.02 * eight_bits, only_repeats
+    # the pooled scored cost is the byte-weighted mix of the two files' (sizes add per file)
+    assert only_repeats < got["xz9_scored_nll"] < alone
+    with pytest.raises(ValueError, match="context 30000"):
+        real_text.xz_nll([noise, repeated], context=30000)
+
+
 def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
     """A model saved with a data=stdlib run config: every table and plot is written (and
     logged to an offline wandb run), replay R_exact reads zero KL, and a model trained on
@@ -247,6 +271,8 @@ def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
     assert list(base["job"]) == ["job", "dense"]          # the dense model is read here only
     assert (base["bigram_nll"] < base["unigram_nll"]).all()
     assert (base["unigram_nll"] < math.log(259)).all() and (base["nll_exact"] > 0).all()
+    # xz reads real source: well under 8 bits a byte, one number for every model
+    assert (base["xz9_nll"] < 4 * math.log(2)).all() and base["xz9_scored_nll"].nunique() == 1
     assert base["bytes"].nunique() == 1                   # the same bytes for every model
     assert json.loads((out / "settings.json").read_text())["max_files"] == 2
     from ced.tracking import read_offline_run

@@ -83,3 +83,24 @@ def test_training_loss_is_tabulated_and_plotted_like_with_like():
     line = [ln for ln in fig.axes[0].get_lines() if ln.get_label().endswith("validation")][0]
     assert list(line.get_ydata()) == [0.2]
     assert "answer tokens" in fig.axes[0].get_ylabel()
+
+
+def test_training_table_says_whether_validation_was_still_falling():
+    """val_loss_last_change is the last validation loss less the one before it (like with like),
+    absent with a single evaluation."""
+    import pandas as pd
+
+    from analysis.report import training_table
+    falling = pd.DataFrame([{"step": 1, "loss": 2.0, "val/loss": 1.50},
+                            {"step": 2, "loss": 1.9},
+                            {"step": 3, "loss": 1.8, "val/loss": 1.25}])
+    flat = pd.DataFrame([{"step": 1, "loss": 2.0, "val/loss": 1.0},
+                         {"step": 2, "loss": 1.9, "val/loss": 1.1}])
+    once = pd.DataFrame([{"step": 1, "loss": 2.0, "val/loss": 1.0}])
+    runs = {name: {"config": {"variant": "ced"}, "metrics": m, "loss_on": "all"}
+            for name, m in (("falling/seed0", falling), ("flat/seed0", flat),
+                            ("once/seed0", once))}
+    table = training_table(runs).set_index("job")
+    assert table.loc["falling/seed0", "val_loss_last_change"] == -0.25
+    assert table.loc["flat/seed0", "val_loss_last_change"] == pytest.approx(0.1)
+    assert pd.isna(table.loc["once/seed0", "val_loss_last_change"])
