@@ -1,7 +1,8 @@
 """How the cost of bounded replay on real text decays with distance: `python -m analysis.decay`.
 
     python -m analysis.decay --kl-by-position findings/real_text/kl_by_position.csv \
-        --study findings/real_text/archive --out /tmp/decay [--floor 1e-9] [--resamples 2000]
+        --study findings/real_text/archive --out /tmp/decay [--floor 1e-9] [--resamples 2000] \
+        [--kl-by-class findings/real_text/kl_by_class.csv [--bar 0.001] [--to-window 128]]
 
 Reads one or more `kl_by_position.csv` of `evals.real_text` (per checkpoint and distance d: the
 mean KL(exact || replay) of the bytes whose decoder windows are cut d bytes back, i.e. the cost
@@ -27,8 +28,22 @@ predicts its mean log tau; the RMSE over cells, in log tau). Every CI of the law
 within cells (`analysis.laws.within_cells`). Fewer than two distinct W: the per-model and
 per-cell tables are written and the laws refused (exit 2).
 
+N*_text, with `--kl-by-class` (the same readings' kl_by_class.csv): per cell and read replay N,
+each model's relative change of perplexity over every scored byte, exp(dnll_mean) - 1, and its
+Student t interval over the cell's models; N*_text is the smallest N read whose upper bound is
+at most `--bar` (0.1%). Its extrapolation to a wider window (`--to-window`, V4.1's 128) under
+each law: per model the distance at which its fitted KL falls to `--bar` nats a byte,
+W + tau ln(A / bar) (W where A is already below), i.e. an excess of replay over W; per token
+the excess is a number of bytes (N = W' + excess), per window a number of windows
+(N = W' (1 + excess / W)); the estimate averages cells (each cell's mean over its models), its
+interval draws models within cells. A KL of `bar` nats a byte is about a `bar` relative change
+of perplexity (exp(dnll) - 1 ~ dnll ~ KL when the exact model is close to the text's law); the
+grid's N*_text beside it is the measured check.
+
 Writes decay_models.csv, decay_cells.csv, decay_laws.csv, decay.png (log KL against d - W per
-model with its fit; tau against W per model with both laws' fits) and decay.md into --out.
+model with its fit; tau against W per model with both laws' fits) and decay.md into --out;
+with --kl-by-class also decay_replays.csv (per cell and N: the change of perplexity and its
+interval), N*_text in decay_cells.csv and decay_extrapolation.csv.
 """
 
 from __future__ import annotations
@@ -58,6 +73,10 @@ FLOOR = 1e-9
 LAWS = (Law("per_token", "tau = tau0", "zero", False),
         Law("per_window", "tau = k W", "log_W", False))
 GEOMETRY = ("job", "seed", "W", "L_d", "L_e", "R_exact")
+# The change of perplexity an engine accepts from bounded replay: 0.1% (issue 49's N*_text),
+# and V4.1's window, where N*_text is extrapolated.
+BAR, V41_WINDOW = 0.001, 128
+CLASS_REQUIRED = ("checkpoint", "job", "level", "replay", "N", "group", "dnll_mean")
 
 
 def read_tables(paths: list[Path]) -> pd.DataFrame:
@@ -250,6 +269,88 @@ def compare_laws(frame: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05
     return pd.DataFrame(rows), errors
 
 
+def read_classes(path: Path) -> pd.DataFrame:
+    """The per-model rows over every scored byte (level model, group all) of evals.real_text's
+    kl_by_class.csv (rows: checkpoint x replay); a missing column is a ValueError."""
+    table = pd.read_csv(path)
+    missing = [c for c in CLASS_REQUIRED if c not in table]
+    if missing:
+        raise ValueError(f"{path}: no column(s) {missing} (evals.real_text's kl_by_class.csv "
+                         f"has {list(CLASS_REQUIRED)})")
+    table = table[(table["level"] == "model") & (table["group"] == "all")]
+    return table.assign(checkpoint=table["checkpoint"].astype(str),
+                        replay=table["replay"].astype(str))
+
+
+def replay_table(classes: pd.DataFrame, models: pd.DataFrame, bar: float = BAR,
+                 alpha: float = 0.05) -> pd.DataFrame:
+    """decay_replays.csv: per cell and read replay (rows) its N, the models read, their mean
+    relative change of perplexity exp(dnll_mean) - 1 with its Student t interval over models,
+    and `within_bar` (the upper bound at most `bar`; False with one model: no interval).
+    classes: `read_classes` rows; models: `fit_models` (a checkpoint's cell is its job there).
+    ValueError for a model of `classes` that `models` lacks."""
+    cell_of = models.set_index("checkpoint")["job"]
+    unknown = sorted(set(classes["checkpoint"]) - set(cell_of.index))
+    if unknown:
+        raise ValueError(f"--kl-by-class: checkpoint {unknown[0]} has no row in "
+                         "--kl-by-position (read both from one evals.real_text reading)")
+    rows = []
+    frame = classes.assign(cell=classes["checkpoint"].map(cell_of),
+                           dppl=np.expm1(classes["dnll_mean"].astype(float)))
+    for (cell, replay), part in frame.groupby(["cell", "replay"], sort=False):
+        low, high, _ = seed_t_test(part["dppl"].to_numpy(float), 1 - alpha)
+        rows.append({"job": cell, "replay": replay, "N": int(part["N"].iloc[0]),
+                     "models": len(part), "dppl_mean": float(part["dppl"].mean()),
+                     "dppl_t_low": low, "dppl_t_high": high,
+                     "within_bar": bool(high <= bar) if not math.isnan(high) else False})
+    return pd.DataFrame(rows).sort_values(["job", "N"], ignore_index=True)
+
+
+def n_star_text(replays: pd.DataFrame) -> pd.Series:
+    """Per cell (index: job) the smallest N read whose change of perplexity is within the bar
+    at its upper bound; NaN where none is (N*_text lies beyond the grid)."""
+    passing = replays[replays["within_bar"]]
+    found = passing.groupby("job")["N"].min()
+    return found.reindex(replays["job"].unique()).astype(float)
+
+
+def excess_over_window(models: pd.DataFrame, bar: float = BAR) -> np.ndarray:
+    """Per model (shape (models,)): the replay beyond W at which its fitted KL falls to `bar`
+    nats a byte, tau ln(A / bar), 0 where A is at most `bar` already (NaN without a fit)."""
+    tau, amplitude = models["tau"].to_numpy(float), models["A"].to_numpy(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        excess = np.where(amplitude > bar, tau * np.log(amplitude / bar), 0.0)
+    return np.where(np.isnan(tau), np.nan, excess)
+
+
+def _extrapolated(frame: pd.DataFrame, window: int) -> tuple[float, float]:
+    """(per token, per window) N at `window` from `frame`'s models (rows: models with columns
+    job, W, excess): the mean over cells of each cell's mean excess, in bytes or in windows."""
+    cells = frame.assign(windows=frame["excess"] / frame["W"]).groupby("job")
+    return (window + float(cells["excess"].mean().mean()),
+            window * (1 + float(cells["windows"].mean().mean())))
+
+
+def extrapolate(models: pd.DataFrame, window: int = V41_WINDOW, bar: float = BAR,
+                resamples: int = 2000, alpha: float = 0.05, seed: int = 0) -> pd.DataFrame:
+    """decay_extrapolation.csv: per law (rows: per_token, per_window) N at `window` with its
+    interval (models drawn within cells), and the excess over the window it implies.
+    models: `fit_models` rows (models without a fit are left out); ValueError without one."""
+    frame = models.assign(excess=excess_over_window(models, bar)).dropna(subset=["excess"])
+    if frame.empty:
+        raise ValueError("no model with a decay fit to extrapolate")
+    point = _extrapolated(frame, window)
+    rng = np.random.default_rng(seed)
+    draws = np.array([_extrapolated(frame.iloc[pick], window) for pick in
+                      within_cells(frame["job"].to_numpy(str), resamples, rng)])
+    lo, hi = 100 * alpha / 2, 100 * (1 - alpha / 2)
+    return pd.DataFrame([{"law": law.name, "window": window, "bar": bar,
+                          "cells": frame["job"].nunique(), "models": len(frame),
+                          "N": point[i], "N_ci_low": np.percentile(draws[:, i], lo),
+                          "N_ci_high": np.percentile(draws[:, i], hi),
+                          "N_over_W": point[i] / window} for i, law in enumerate(LAWS)])
+
+
 def _decay_panel(ax, table: pd.DataFrame, models: pd.DataFrame, floor: float) -> None:
     """log KL against d - W per model (points above the floor), coloured by W, with its fit
     over the distances it used."""
@@ -308,10 +409,22 @@ CELL_COLUMNS = ["job", "W", "L_d", "L_e", "models", "fitted", "tau_mean", "tau_c
                 "tau_over_W_t_high", "per_byte_factor"]
 
 
+def _n_star_markdown(replays: pd.DataFrame, extrapolation: pd.DataFrame, level: str) -> list:
+    """decay.md's N*_text part: the change of perplexity per cell and N, and the extrapolation."""
+    bar, window = extrapolation["bar"].iloc[0], int(extrapolation["window"].iloc[0])
+    return ["", f"## N*_text: relative change of perplexity per read replay ({level} Student t "
+            f"over models; within_bar: upper bound <= {bar:g})", "",
+            markdown(replays, list(replays.columns), digits=5),
+            f"## N*_text extrapolated to W = {window} (each model's fitted KL down to {bar:g} "
+            "nats a byte; intervals draw models within cells)", "",
+            markdown(extrapolation, list(extrapolation.columns), digits=4)]
+
+
 def report(sources: list[Path], floor: float, resamples: int, alpha: float,
            models: pd.DataFrame, cells: pd.DataFrame, laws: pd.DataFrame | None,
-           refusal: str | None) -> str:
-    """decay.md: the fits per model, the cells, the laws (or why there are none)."""
+           refusal: str | None, n_star: tuple | None = None) -> str:
+    """decay.md: the fits per model, the cells, the laws (or why there are none) and, given
+    (replays, extrapolation) as `n_star`, N*_text."""
     level = f"{100 * (1 - alpha):.0f}%"
     md = ["# How the cost of bounded replay decays with distance (python -m analysis.decay)",
           "", f"From {', '.join(map(str, sources))}. Per model, log mean KL = log A - (d - W)"
@@ -319,7 +432,9 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
           "bytes; per_byte_factor = exp(1/tau), the factor the KL falls by per byte.", "",
           "## Models", "", markdown(models, MODEL_COLUMNS, digits=4),
           f"## Cells ({level} CIs: ci, bootstrap over models, {resamples} draws; t, "
-          "Student t over models)", "", markdown(cells, CELL_COLUMNS, digits=4),
+          "Student t over models)", "",
+          markdown(cells, [c for c in [*CELL_COLUMNS, "n_star_text", "n_star_text_over_W"]
+                           if c in cells], digits=4),
           "## The laws", ""]
     if laws is None:
         md.append(f"Not compared: {refusal}.")
@@ -327,16 +442,33 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
         md += [f"log tau per cell held out in turn; {level} CIs from {resamples} draws of "
                "models within cells.", "",
                markdown(laws, [c for c in laws.columns if c not in ("cells",)], digits=4)]
+    if n_star is not None:
+        md += _n_star_markdown(*n_star, level)
     return "\n".join(md) + "\n"
 
 
+def n_star_tables(classes_path: Path, models: pd.DataFrame, cells: pd.DataFrame, bar: float,
+                  window: int, resamples: int, alpha: float) -> tuple:
+    """(replays, extrapolation) of `replay_table` and `extrapolate`; adds n_star_text and
+    n_star_text_over_W to `cells` in place."""
+    replays = replay_table(read_classes(classes_path), models, bar, alpha)
+    found = n_star_text(replays)
+    cells["n_star_text"] = cells["job"].map(found)
+    cells["n_star_text_over_W"] = cells["n_star_text"] / cells["W"]
+    return replays, extrapolate(models, window, bar, resamples, alpha)
+
+
 def write(sources: list[Path], out: Path, study: Path | None = None, floor: float = FLOOR,
-          resamples: int = 2000, alpha: float = 0.05) -> tuple[dict, str | None]:
-    """Every output into `out`: ({name: path}, the laws' refusal or None)."""
+          resamples: int = 2000, alpha: float = 0.05, classes: Path | None = None,
+          bar: float = BAR, window: int = V41_WINDOW) -> tuple[dict, str | None]:
+    """Every output into `out`: ({name: path}, the laws' refusal or None). `classes`: the
+    reading's kl_by_class.csv, for N*_text and its extrapolation to `window`."""
     table = read_tables(sources)
     runs = load_runs(study) if study is not None else None
     models = fit_models(table, runs, floor)
     cells = cell_table(models, resamples, alpha)
+    n_star = (n_star_tables(classes, models, cells, bar, window, resamples, alpha)
+              if classes is not None else None)
     laws, refusal = None, None
     try:
         laws, _ = compare_laws(law_frame(models), resamples, alpha)
@@ -348,11 +480,15 @@ def write(sources: list[Path], out: Path, study: Path | None = None, floor: floa
     cells.to_csv(written["cells"], index=False, float_format="%.6g")
     (laws if laws is not None else pd.DataFrame(columns=["law"])).to_csv(
         written["laws"], index=False, float_format="%.6g")
+    if n_star is not None:
+        for name, frame in zip(("replays", "extrapolation"), n_star):
+            written[name] = out / f"decay_{name}.csv"
+            frame.to_csv(written[name], index=False, float_format="%.6g")
     written["figure"] = out / "decay.png"
     figure(table, models, laws, floor).savefig(written["figure"], dpi=110)
     written["markdown"] = out / "decay.md"
     written["markdown"].write_text(report(sources, floor, resamples, alpha, models, cells,
-                                          laws, refusal))
+                                          laws, refusal, n_star))
     return written, refusal
 
 
@@ -368,11 +504,21 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoints whose directory is gone"))
     parser.add_argument("--floor", type=float, default=FLOOR,
                         help=f"mean KL at or below this is rounding (default {FLOOR:g})")
+    parser.add_argument("--kl-by-class", type=Path, default=None, help=(
+        "the same reading's kl_by_class.csv: N*_text per cell and its extrapolation"))
+    parser.add_argument("--bar", type=float, default=BAR, help=(
+        f"the relative change of perplexity N*_text allows (default {BAR:g}: 0.1%%)"))
+    parser.add_argument("--to-window", type=int, default=V41_WINDOW, help=(
+        f"the window N*_text is extrapolated to (default {V41_WINDOW}, V4.1's)"))
     add_bootstrap_options(parser)
     args = parser.parse_args(argv)
     try:
+        if not 0 < args.bar < 1 or args.to_window < 1:
+            raise ValueError(f"--bar must lie in (0, 1) and --to-window be >= 1; got "
+                             f"{args.bar}, {args.to_window}")
         written, refusal = write(args.kl_by_position, args.out, args.study, args.floor,
-                                 args.resamples, args.alpha)
+                                 args.resamples, args.alpha, args.kl_by_class, args.bar,
+                                 args.to_window)
     except (FileNotFoundError, ValueError) as error:
         print(f"analysis.decay: {error}", file=sys.stderr)
         return 2

@@ -177,3 +177,90 @@ def test_the_cli_refuses_bad_input(tmp_path, capsys):
     assert len(pd.read_csv(tmp_path / "out" / "decay_models.csv")) == 3
     assert len(pd.read_csv(tmp_path / "out" / "decay_cells.csv")) == 1
     assert "need two windows" in (tmp_path / "out" / "decay.md").read_text()
+
+
+def classes_for(checkpoints: dict, windows: dict, dppl: dict) -> pd.DataFrame:
+    """A kl_by_class table (level model, group all, plus a class row and a pooled row that must
+    be ignored): per checkpoint and replay form, dnll_mean = log(1 + the given change)."""
+    rows = []
+    for k, (checkpoint, job) in enumerate(checkpoints.items()):
+        for form, multiple in (("W/2", 0.5), ("W", 1), ("2W", 2), ("4W", 4)):
+            change = dppl[job][form] * (1 + 0.05 * (k % 3))     # models differ a little
+            base = {"checkpoint": checkpoint, "job": job, "replay": form,
+                    "N": int(multiple * windows[job]), "dnll_mean": np.log1p(change)}
+            rows += [{**base, "level": "model", "group": "all"},
+                     {**base, "level": "model", "group": "identifier_far", "dnll_mean": 9.0},
+                     {**base, "level": "seeds", "group": "all", "dnll_mean": 9.0}]
+    return pd.DataFrame(rows)
+
+
+def test_n_star_text_is_the_first_replay_within_the_bar_at_its_upper_bound():
+    """A cell whose changes fall to 0.05% at 2W has N*_text = 2W; one whose 2W change is 0.09%
+    with a wide spread over models fails there (upper bound above 0.1%) and passes at 4W; a cell
+    of one model has no interval and no N*_text; a checkpoint missing from the decay fits is a
+    ValueError naming --kl-by-class."""
+    models = pd.DataFrame({"checkpoint": ["a0", "a1", "a2", "b0", "b1", "b2", "c0"],
+                           "job": ["A"] * 3 + ["B"] * 3 + ["C"]})
+    windows = {"A": 8, "B": 16, "C": 8}
+    tight = {"W/2": 0.05, "W": 0.01, "2W": 0.0005, "4W": 1e-6}
+    dppl = {"A": tight, "C": tight, "B": {**tight, "2W": 0.0009}}
+    classes = classes_for(dict(zip(models["checkpoint"], models["job"])), windows, dppl)
+    # spread B's three models at 2W: 0.0003, 0.0009, 0.0015 (mean 0.0009, upper bound > 0.001)
+    for checkpoint, change in (("b0", 0.0003), ("b1", 0.0009), ("b2", 0.0015)):
+        classes.loc[(classes["checkpoint"] == checkpoint) & (classes["replay"] == "2W"),
+                    "dnll_mean"] = np.log1p(change)
+    read = classes[(classes["level"] == "model") & (classes["group"] == "all")]
+    replays = decay.replay_table(read, models)
+    b = replays[(replays["job"] == "B") & (replays["replay"] == "2W")].iloc[0]
+    assert b["dppl_mean"] == pytest.approx(0.0009, rel=1e-9)
+    assert b["dppl_t_low"] < 0.0009 < 0.001 < b["dppl_t_high"] and not b["within_bar"]
+    found = decay.n_star_text(replays)
+    assert found["A"] == 16 and found["B"] == 64 and np.isnan(found["C"])
+    with pytest.raises(ValueError, match="--kl-by-class"):
+        decay.replay_table(read, models[models["checkpoint"] != "a1"])
+
+
+def test_the_extrapolation_follows_each_law():
+    """Per model the excess over W is tau ln(A / bar) (0 where A is below the bar); per token
+    N = W' + the mean excess over cells, per window N = W' (1 + the mean excess in windows);
+    a model without a fit is left out; the intervals hold the estimates."""
+    bar = 0.001
+    models = pd.DataFrame({"job": ["W8"] * 3 + ["W32"] * 3,
+                           "W": [8] * 3 + [32] * 3,
+                           "tau": [1.0, 1.5, np.nan, 4.0, 5.0, 6.0],
+                           "A": [0.02, 0.03, 0.02, 0.05, 0.0005, 0.04]})
+    excess = decay.excess_over_window(models, bar)
+    assert excess[0] == pytest.approx(np.log(20)) and excess[1] == pytest.approx(1.5 * np.log(30))
+    assert np.isnan(excess[2]) and excess[4] == 0.0
+    got = decay.extrapolate(models, window=128, bar=bar, resamples=300).set_index("law")
+    cell8, cell32 = excess[:2].mean(), excess[3:].mean()
+    assert got.loc["per_token", "N"] == pytest.approx(128 + (cell8 + cell32) / 2)
+    assert got.loc["per_window", "N"] == pytest.approx(128 * (1 + (cell8 / 8 + cell32 / 32) / 2))
+    assert got.loc["per_window", "N"] > got.loc["per_token", "N"]
+    assert (got["models"] == 5).all() and (got["cells"] == 2).all()
+    for law in got.itertuples():
+        assert law.N_ci_low <= law.N <= law.N_ci_high
+    with pytest.raises(ValueError, match="no model"):
+        decay.extrapolate(models.assign(tau=np.nan))
+
+
+def test_the_cli_writes_n_star_text_beside_the_fits(tmp_path):
+    """With --kl-by-class the replay table, the extrapolation to --to-window and N*_text per
+    cell are written; a --bar outside (0, 1) is refused with exit 2."""
+    table, _ = fabricate(tmp_path / "s", "per_window", models=3)
+    table.to_csv(tmp_path / "pos.csv", index=False)
+    cells = {c: c.split("/runs/")[1].split("/")[0] for c in table["checkpoint"].unique()}
+    windows = {job: int(job.split("_W")[1]) for job in cells.values()}
+    tight = {"W/2": 0.05, "W": 0.01, "2W": 0.0005, "4W": 1e-6}
+    classes_for(cells, windows, {job: tight for job in windows}).to_csv(tmp_path / "cls.csv",
+                                                                        index=False)
+    out = tmp_path / "out"
+    args = ["--kl-by-position", str(tmp_path / "pos.csv"), "--out", str(out), "--kl-by-class",
+            str(tmp_path / "cls.csv"), "--to-window", "64", "--resamples", "30"]
+    assert decay.main(args) == 0
+    got = pd.read_csv(out / "decay_cells.csv").set_index("job")
+    assert (got["n_star_text_over_W"] == 2).all()
+    assert set(pd.read_csv(out / "decay_extrapolation.csv")["window"]) == {64}
+    assert len(pd.read_csv(out / "decay_replays.csv")) == 3 * 4
+    assert "N*_text extrapolated to W = 64" in (out / "decay.md").read_text()
+    assert decay.main([*args, "--bar", "2"]) == 2
