@@ -57,7 +57,7 @@ class Extension:
 
 def extension(trained: dict[str, Any], wanted: dict[str, Any]) -> Extension | None:
     """The `Extension` from the config a run trained to the config a study now composes for
-    it (both `experiments.run.training_view`s: flat dotted keys), or None when anything but
+    it (both `experiments.training_runs.training_view`s: flat dotted keys), or None when anything but
     the step keys differs, or when the study itself sets `train.extend_to`."""
     differing = {k for k in set(trained) | set(wanted) if trained.get(k) != wanted.get(k)}
     if not differing <= STEP_KEYS or wanted.get("train.extend_to") is not None:

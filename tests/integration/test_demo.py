@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.run import STUDY_DIR, resolve_lengths
+from experiments.evaluations import resolve_lengths
+from experiments.study import STUDY_DIR
 from experiments.study import load_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +186,8 @@ def test_a_new_multi_turn_policy_reruns_exactly_the_suites_that_read_it(tiny_stu
     """The suite runs every policy of ced.inference.POLICIES on a multi-turn family: a policy
     registered after a study's suites ran makes the plan rerun those suites, naming it."""
     import ced.inference
-    from experiments.run import Study, _step_record, _write_stamp
+    from experiments.run import Study
+    from experiments.steps import step_record, write_stamp
     first, _ = tiny_study
     out = tmp_path / "study"
     shutil.copytree(first / "runs", out / "runs")      # the trained checkpoints and records
@@ -195,7 +197,7 @@ def test_a_new_multi_turn_policy_reruns_exactly_the_suites_that_read_it(tiny_stu
     for step in study._suite_steps(study.checkpoints()):   # as if every suite had run
         step["done"].parent.mkdir(parents=True, exist_ok=True)
         step["done"].write_text("{}")
-        _write_stamp(step["out"], _step_record(step, checkpoint=str(step["final"])))
+        write_stamp(step["out"], step_record(step, checkpoint=str(step["final"])))
     rows = {r["run"]: r for r in study.plan()}
     assert rows["suite/ced/seed0"]["action"] == "skip", rows["suite/ced/seed0"]
     monkeypatch.setattr(ced.inference, "POLICIES", (*ced.inference.POLICIES, "dummy_policy"))

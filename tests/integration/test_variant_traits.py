@@ -75,7 +75,8 @@ def test_load_config_reads_a_directory_or_its_json(tmp_path):
 
 def test_study_driver_reads_configs_through_load_config(tmp_path):
     """experiments.run resolves replay lengths from the first checkpoint with a decoder."""
-    from experiments.run import Study, resolve_lengths
+    from experiments.evaluations import resolve_lengths
+    from experiments.run import Study
     dense = save_model(make_model(tiny_config("dense"), 0), tmp_path / "dense")
     ced = save_model(make_model(tiny_config("ced", window=8), 0), tmp_path / "ced")
     reference = Study._reference_config(None, {"d": (dense, "h0"), "c": (ced, "h1")})

@@ -16,8 +16,8 @@ from hydra.core.global_hydra import GlobalHydra
 import ced.cli.train as trainer
 import ced.train as training
 from ced.train_config import ConfigError, validate
-from experiments.run import (DRIVER_KEYS, DriverConfig, check_driver_overrides,
-                             training_overrides)
+from experiments.run import DRIVER_KEYS, DriverConfig, check_driver_overrides
+from experiments.training_runs import training_overrides
 from experiments.study import STUDY_DIR, StudyError, load_study
 
 STUDIES = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
@@ -177,7 +177,7 @@ def test_suite_distances_resolve_against_the_reference_model():
     the reference model (R_exact dropped for a model without a decoder), other options kept."""
     from ced import ModelConfig
     from ced.config import exact_replay_length
-    from experiments.run import suite_options
+    from experiments.evaluations import suite_options
     from experiments.study import SuiteSpec
     spec = SuiteSpec(replay=["W"], examples=7, families=["recall"],
                      distances=["R_exact", "2W", 62, 5], options={"state_length": 40})
@@ -199,7 +199,7 @@ def test_suite_options_are_a_suite_config():
     from ced import ModelConfig
     from evals.suites.runner import SuiteConfig
     from experiments.job import load_job
-    from experiments.run import suite_options
+    from experiments.evaluations import suite_options
     from experiments.study import SuiteSpec
     spec = SuiteSpec(replay=["W/2", "W"], examples=3, turns=[2], sweep_replay=["W"],
                      options={"needle_distractors": 17})
@@ -221,7 +221,7 @@ def test_suite_replays_and_turns_resolve_against_each_model():
     W/2 and cuts its turns at its own W/4, while every model is read at the reference's
     distances; a model without a decoder takes the reference's replays (it runs `full` only)."""
     from ced import ModelConfig
-    from experiments.run import suite_options
+    from experiments.evaluations import suite_options
     from experiments.study import SuiteSpec
 
     def ced(window: int) -> ModelConfig:
