@@ -87,7 +87,7 @@ def load_runs(study: Path) -> dict[str, dict]:
     line is dropped, a damaged earlier line is an error), "run_dir": Path, "final": final/ or
     None, "loss_on": what the training loss counts, `answers` or `all` (the run's
     config.yaml; `all` without one)}."""
-    from ced.train import metrics_records
+    from ced.train.run_dir import metrics_records
     runs = {}
     for label, run_dir in _run_dirs(Path(study) / "runs"):
         metrics_path = run_dir / "metrics.jsonl"

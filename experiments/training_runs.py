@@ -308,7 +308,7 @@ class TrainingRuns:
         """Train one run with `ced.train` (resumes from its last checkpoint) and record it."""
         key, run_dir = f"train/{label}", self.run_dir(label)
         job = next(j for j in self.spec.jobs if j.name == job_name)
-        from ced.train import existing_run
+        from ced.train.run_dir import existing_run
         # resume=auto only continues a run: a directory that holds none starts a new one
         resume = ["train.resume=auto"] if existing_run(run_dir) else []
         stamp = _read_stamp(run_dir) or {}

@@ -1,6 +1,6 @@
 """The command-line applications of ced: `ced.cli.train` (`python -m ced.train`, `ced-train`)
 and `ced.cli.cost` (`python -m ced.cost`, `ced-cost`), the Hydra entry points, kept apart
-from the library they drive (ced/train.py's training loop, ced/cost.py's cost model).
+from the library they drive (ced/train's training loop, ced/cost's cost model).
 
 And what every Hydra entry point does with a failure: one line naming the key and what is
 allowed, then exit with a code (a single run) or raise (a job of a multirun, so that Hydra's

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ced.config import ModelConfig
-from ced.cost import render, report
+from ced.cost.report import render, report
 
 from . import fail
 

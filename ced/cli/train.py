@@ -22,8 +22,9 @@ from pathlib import Path
 from ced.checkpoint import CheckpointError, StorageFull
 from ced.runlock import DirectoryLocked
 from ced.data import build_source
-from ced.train import (CONFIG_YAML, FINAL, NOT_FINISHED, Stopped, TrainingDiverged, flatten,
-                       override_key, resume_hint, check_resumable, train)
+from ced.train import NOT_FINISHED, Stopped, override_key, resume_hint, train
+from ced.train.run_dir import (CONFIG_YAML, FINAL, TrainingDiverged, check_resumable,
+                               flatten)
 from ced.train_config import ConfigError, TrainConfig, validate
 from ced.memory import advice, is_out_of_memory, oom_summary
 from ced.writable import OutputDirError, check_hydra_output

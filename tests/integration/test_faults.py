@@ -25,11 +25,12 @@ from test_run_safety import STEPS4, config, one_line, train_in_process
 from test_train import ENV, ROOT, TINY, metrics, run_train
 
 import ced.train as trainer
+import ced.train.run_dir as run_files
 from ced.checkpoint import StorageFull, check_training_checkpoint, load_model
 
 
 def _newest(run: Path) -> list[str]:
-    return [p.name for p in trainer.checkpoint_dirs(run)]
+    return [p.name for p in run_files.checkpoint_dirs(run)]
 
 
 # ---- 1. a full disk -----------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_resume_with_a_changed_data_config_is_refused_naming_the_key(tmp_path):
                          "data.only=[kv_recall,copy]", "optim.lr=1e-3")
     train_in_process(run, *STEPS4, "train.steps=6", "train.resume=auto", "train.eval_every=3",
                      "train.allow_config_change=[train.steps,data.only]", "data.only=[copy]")
-    record = json.loads((run / trainer.CONFIG_CHANGES).read_text())
+    record = json.loads((run / run_files.CONFIG_CHANGES).read_text())
     assert record["step"] == 4
     assert record["changed"] == {"data.only": [["kv_recall", "copy"], ["copy"]],
                                  "train.steps": [4, 6]}

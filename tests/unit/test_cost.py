@@ -1,4 +1,4 @@
-"""The analytic cost model (ced/cost.py): the paper's numbers on the paper-scale config
+"""The analytic cost model (ced/cost): the paper's numbers on the paper-scale config
 (docs/semantics.md section 7), the CLI, storage formats, closed-form sums against brute force,
 and parameter counts against the real model."""
 
@@ -27,8 +27,8 @@ from ced.cost import (
     model_params,
     prefill_flops,
     prefill_flops_ratio,
-    report,
 )
+from ced.cost.report import report
 from ced.storage import parse_storage
 from ced.train_config import model_conf
 from tests.conftest import tiny_config
@@ -177,7 +177,7 @@ def test_rendered_table_matches_the_golden_text(name):
     """The whole table, byte for byte, as it was when render/report were split into per-section
     helpers (tests/unit/golden_cost_tables.json): with and without a decoder, paper scale and
     tiny. Regenerate the file deliberately when the table is meant to change."""
-    from ced.cost import render
+    from ced.cost.report import render
     seq_len = 131072 if name == "deepseek_v41_flash" else 4096
     expected = json.loads(GOLDEN_TABLES.read_text())[name]
     assert render(report(load(name), seq_len=seq_len)) == expected
