@@ -209,3 +209,12 @@ def test_no_function_is_longer_than_sixty_lines_but_attend():
                     if length > 60 and key not in LONG_FUNCTIONS_ALLOWED:
                         long.append(f"{key[0]}:{node.lineno} {node.name} ({length} lines)")
     assert not long, "functions over 60 lines: " + "; ".join(long)
+
+
+def test_no_module_is_longer_than_eight_hundred_lines():
+    """Size follows shape: a module past 800 lines has seams it should be split along (the
+    study driver's steps, the trainer's run directory, the cost report were)."""
+    long = [f"{path.relative_to(ROOT)} ({n} lines)"
+            for folder in PROJECT for path in sorted((ROOT / folder).rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > 800]
+    assert not long, "modules over 800 lines: " + "; ".join(long)
