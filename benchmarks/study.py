@@ -1,6 +1,6 @@
 """Speed at the studies' own shapes (`make bench-study`).
 
-The studies train d_model 64 models on one thread in fp32, so the number of models per cell,
+The studies train d_model 64 models on one thread, so the number of models per cell,
 and every model-level CI, is set by how fast ced trains there. This benchmark times, at each
 study shape, ced and the dense and swa models of the same layers and width:
 
@@ -24,7 +24,9 @@ composes them (`ced.cli.train.compose_config`), so they cannot drift from the st
 
 and each variant is `model.variant=ced|dense|swa` on top (dense and swa keep the layers:
 n_encoder_layers + n_decoder_layers of them, and the width; the fields they do not use are
-ignored). One thread, fp32 (the studies' precision: train.mixed_precision is unset there).
+ignored). One thread, in each study's own precision (`train.mixed_precision`: fp32 for depth and
+real_text, bf16 autocast for encoder_w and real_text_law, whose shapes are composed from the
+study file's job: encoder_w_E8_L8, encoder_w_E20_L20, real_text_law_T4_W8, real_text_law_T8_W8).
 
 The variants take turns round by round (`peer.interleaved_rounds`); after the warm-up rounds
 the medians of the timed rounds are reported, and each variant's ratio to dense is the median
@@ -35,6 +37,7 @@ process. Then a torch.profiler breakdown of ced's and dense's training step at d
 
     python benchmarks/study.py                          # every shape, 5 rounds (about 10 min)
     python benchmarks/study.py --shapes depth_L20 --rounds 3 --no-profile
+    python benchmarks/study.py --shapes encoder_w_E8_L8 --profile-shape encoder_w_E8_L8
 
 Writes benchmarks/results/study.json and study.md (or --out DIR). Not a test: nothing is
 asserted about the times.
@@ -79,6 +82,17 @@ SHAPES = {
     "depth_Le20_L20": ("depth", ["model.n_encoder_layers=20", "model.n_decoder_layers=20"]),
     "real_text_L8": ("real_text", ["model.n_decoder_layers=8"]),
 }
+# name -> (study, job): shapes of studies that set their precision and tasks per job, composed
+# from the study file's own job (its overrides read with `load_study`, so they cannot drift)
+JOB_SHAPES = {
+    "encoder_w_E8_L8": ("encoder_w", "E8_L8"),
+    "encoder_w_E20_L20": ("encoder_w", "E20_L20"),
+    "real_text_law_T4_W8": ("real_text_law", "T4_W8"),
+    "real_text_law_T8_W8": ("real_text_law", "T8_W8"),
+}
+for _name, (_study, _job) in JOB_SHAPES.items():
+    SHAPES[_name] = (_study, next(j for j in load_study(_study, "full").jobs
+                                  if j.name == _job).overrides)
 VARIANTS = ("dense", "swa", "ced")
 PROFILE_SHAPE = "depth_L20"
 SUITE_BATCH = 64   # evals.suites.runner.SuiteConfig.batch_size's default
@@ -185,6 +199,8 @@ def bench_shape(shape: str, variants: list[str], rounds: int, warmup: int, run_d
                         "d_model": m.d_model, "n_encoder_layers": m.n_encoder_layers,
                         "n_decoder_layers": m.n_decoder_layers, "window": m.window,
                         "topk": ced_cfg.model.topk, "batch": t.batch_size, "seq_len": t.seq_len,
+                        "precision": t.mixed_precision if t.mixed_precision not in (None, "no")
+                        else "fp32",
                         "step_index": step, "eval": "suite full mode" if batch is not None
                         else "parallel forward", "eval_examples": examples,
                         "eval_prompt_len": (batch[0] if batch is not None else rows).shape[1]},
@@ -311,19 +327,21 @@ def markdown(results: dict, meta: dict) -> str:
     """The study-shape table: per shape and variant the training step's tokens/s and the
     eval forward's examples/s, each with its ratio to dense paired by round."""
     lines = [f"Study shapes: training step (`ced.train._train_step`: batch draw, forward, "
-             f"backward, clip, AdamW) and eval forward, fp32, {meta['threads']} thread(s), "
+             f"backward, clip, AdamW) and eval forward, in each study's precision, "
+             f"{meta['threads']} thread(s), "
              f"median of {meta['rounds']} interleaved rounds after {meta['warmup']} warm-up; "
              f"ratio to dense paired by round; torch {meta['torch']}, commit {meta['commit']}"
              + (f"; overrides {' '.join(meta['set'])}" if meta["set"] else "") + ".",
-             "", "| shape | B x T | variant | train tok/s | vs dense | eval ex/s | vs dense |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| shape | B x T | precision | variant | train tok/s | vs dense | eval ex/s | "
+             "vs dense |", "|---|---|---|---|---|---|---|---|"]
     for shape, res in results.items():
         g = res["geometry"]
         for v, row in res["variants"].items():
             ratio = {p: f"{row[p]['ratio_to_dense']:.2f}x" if "ratio_to_dense" in row[p]
                      else "" for p in ("step", "eval")}
             lines.append(f"| {shape} (L_e {g['n_encoder_layers']}, L_d {g['n_decoder_layers']}) "
-                         f"| {g['batch']} x {g['seq_len']} | {v} | {row['step']['rate']:.0f} | "
+                         f"| {g['batch']} x {g['seq_len']} | {g.get('precision', 'fp32')} | {v} | "
+                         f"{row['step']['rate']:.0f} | "
                          f"{ratio['step']} | {row['eval']['rate']:.1f} | {ratio['eval']} |")
     lines += ["", "Eval forward: " + "; ".join(
         f"{s}: {r['geometry']['eval']}, {r['geometry']['eval_examples']} x "
@@ -376,6 +394,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help=f"profile ced's and dense's step at {PROFILE_SHAPE}")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps a model")
+    parser.add_argument("--profile-shape", default=PROFILE_SHAPE, choices=sorted(SHAPES),
+                        help=f"the shape profiled (default {PROFILE_SHAPE})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override added to every variant's config, e.g. "
                              "--set model.global_read=gather")
@@ -419,9 +439,10 @@ def main(argv: list[str] | None = None) -> int:
             results[shape] = bench_shape(shape, args.variants, args.rounds, args.warmup,
                                          Path(tmp), args.set)
         if args.profile:
-            print(f"[bench-study] profile at {PROFILE_SHAPE}", flush=True)
-            prof = profile_shape(PROFILE_SHAPE, args.profile_steps, Path(tmp), args.set)
-    tables = [markdown(results, meta)] + ([markdown_profile(prof, PROFILE_SHAPE)] if prof else [])
+            print(f"[bench-study] profile at {args.profile_shape}", flush=True)
+            prof = profile_shape(args.profile_shape, args.profile_steps, Path(tmp), args.set)
+    tables = [markdown(results, meta)] + ([markdown_profile(prof, args.profile_shape)]
+                                          if prof else [])
     print("\n" + "\n".join(tables))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.json").write_text(json.dumps(

@@ -58,7 +58,7 @@ def test_a_tiny_run_gives_every_variant_a_rate(tmp_path, monkeypatch):
     assert prof["ced"]["groups"]["matmul"]["self_ms"] > 0
     assert prof["ced"]["flops"]["executed"]["indexer"] > 0
     meta = {"threads": 1, "rounds": 1, "warmup": 0, "torch": "x", "commit": "x", "set": []}
-    assert "| tiny (L_e 2, L_d 1) | 2 x 256 | ced |" in study.markdown({"tiny": result}, meta)
+    assert "| tiny (L_e 2, L_d 1) | 2 x 256 | fp32 | ced |" in study.markdown({"tiny": result}, meta)
     assert "ced's top" in study.markdown_profile(prof, "tiny")
 
 
@@ -72,3 +72,15 @@ def test_a_tiny_run_gives_every_variant_a_rate(tmp_path, monkeypatch):
                                          ("_FlashReadBackward", "autograd / python")])
 def test_profiled_ops_fall_in_their_group(name, group):
     assert study.op_group(name) == group
+
+
+def test_job_shapes_are_composed_from_their_study_files_job():
+    """A shape named after a study's job carries that job's overrides as the study file writes
+    them (so it cannot drift from the study) and composes in the study's own precision."""
+    from experiments.study import load_study
+    for name, (study_name, job) in study.JOB_SHAPES.items():
+        written = next(j for j in load_study(study_name, "full").jobs if j.name == job)
+        assert study.SHAPES[name] == (study_name, written.overrides), name
+    cfg = study.compose("encoder_w_E8_L8", "ced")
+    assert (cfg.model.n_encoder_layers, cfg.model.n_decoder_layers) == (8, 8)
+    assert cfg.train.mixed_precision == "bf16"
