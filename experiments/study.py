@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -147,14 +147,14 @@ def _check_keys(node: Any, schema: Any, where: str) -> None:
     recurses into nested dataclasses, lists of them and dicts of them."""
     if not isinstance(node, dict):
         return
-    allowed = {f.name: f for f in fields(schema)}
+    allowed = get_type_hints(schema)
     if schema is StudyConfig:
         allowed.pop("scale")
     for key, value in node.items():
         if key not in allowed:
             raise StudyError(f"{where}{key}: unknown key; allowed keys of "
                              f"{where.rstrip('.') or 'a study'}: {sorted(allowed)}")
-        sub = _dataclass_of(allowed[key].type)
+        sub = _dataclass_of(allowed[key])
         if sub is None or value is None:
             continue
         kind, cls = sub
@@ -168,22 +168,18 @@ def _check_keys(node: Any, schema: Any, where: str) -> None:
                 _check_keys(item, cls, f"{where}{key}.{name}.")
 
 
-_NESTED = {"JobSpec": JobSpec, "SuiteSpec": SuiteSpec, "ScaleSpec": ScaleSpec,
-           "RealTextSpec": RealTextSpec}
-
-
 def _dataclass_of(annotation: Any) -> tuple[str, type] | None:
-    """('one'|'list'|'dict', the dataclass) for a field annotated with one of the nested specs
-    (annotations are strings under `from __future__ import annotations`)."""
-    text = str(annotation)
-    for name, cls in _NESTED.items():
-        if name in text:
-            if text.startswith("List"):
-                return "list", cls
-            if text.startswith("Dict"):
-                return "dict", cls
-            return "one", cls
-    return None
+    """('one'|'list'|'dict', the dataclass) for a field whose resolved type is a dataclass, a
+    list of them or a dict of them (Optional around any of these), else None."""
+    if get_origin(annotation) is Union:       # Optional[X]: X
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is list and args and is_dataclass(args[0]):
+        return "list", args[0]
+    if origin is dict and len(args) == 2 and is_dataclass(args[1]):
+        return "dict", args[1]
+    return ("one", annotation) if isinstance(annotation, type) and is_dataclass(annotation) \
+        else None
 
 
 def _check_divergence(spec: dict | None, where: str) -> None:

@@ -134,6 +134,8 @@ def test_unknown_group_is_one_line():
     ("jobs: [{name: a}]\ndivergence: {prompts: {cont: 3}}\n", "divergence.prompts.cont"),
     ("jobs: [{name: a}]\nscales: {full: {trian: []}}\n", "scales.full.trian"),
     ("jobs: [{name: a}]\nseed: [1, 2]\n", "seed"),
+    ("jobs: [{name: a}]\nreal_text: {pases: 2}\n", "real_text.pases"),
+    ("jobs: [{name: a}]\nscales: {full: {real_text: {contxt: 9}}}\n", "scales.full.real_text.contxt"),
 ])
 def test_a_study_with_a_misspelt_key_is_rejected_naming_the_key(tmp_path, text, key):
     message = _study_error(tmp_path, text)
