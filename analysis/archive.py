@@ -22,6 +22,9 @@ of `analysis.findings` and `analysis.depth` need, as a skeleton study directory:
                                        config.json) and metrics.jsonl, the training curve
     summary.json                       the driver's invocations (command, commit, time) and
                                        step times, merged over every archived study directory
+    erf_shares.csv                     per model its decoder influence beyond W and 2W, from
+                                       the study's erf/<job>/seed<k>/ (the driver's `erf:`
+                                       step) and from any --erf directory
 
 `analysis.tables.load_results` reads `outcomes.csv.gz` where there is no `results.csv` (the
 same per-example rows, without the prompts), else `cells.csv`, expanding each cell into
@@ -120,6 +123,9 @@ def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
                 (kept / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(run / name, kept / name)
         done.append(label)
+    # the study driver's own erf step (`erf:`): one evals.erf output per model
+    for summary in sorted((study / "erf").glob("*/seed*/summary.json")):
+        archive_erf(summary.parent, into)
     _merge_summary(study / "summary.json", into / "summary.json")
     return done
 

@@ -401,27 +401,40 @@ class ErfConfig:
     bootstrap: int = option(1000, help="bootstrap resamples")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .cli import build_parser, config_from_args
-    p = build_parser(ErfConfig, prog="python -m evals.erf", description=__doc__.split("\n\n")[0])
-    c = config_from_args(ErfConfig, p.parse_args(argv))
+class SettingsError(ValueError):
+    """An option of ErfConfig that cannot work, named (the command line's usage error)."""
+
+
+def run_config(c: ErfConfig) -> dict:
+    """Measure (or, with `source`, summarise again) as `c` says; the study driver's entry
+    (`experiments.job erf`). A bad option is a SettingsError naming it; a checkpoint that
+    cannot be measured a ValueError or CheckpointError."""
     if c.examples < 1:
-        p.error(f"--examples: must be >= 1, got {c.examples}")
+        raise SettingsError(f"--examples: must be >= 1, got {c.examples}")
     try:
         params = json.loads(c.params)
         if not isinstance(params, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
-        p.error(f"--params: {exc}")
+        raise SettingsError(f"--params: {exc}") from None
     if (c.source is None) == (c.checkpoint is None):
-        p.error("give either --checkpoint (measure) or --from DIR (summarise again), not both")
+        raise SettingsError("give either --checkpoint (measure) or --from DIR (summarise "
+                            "again), not both")
     divergence = Path(c.divergence) if c.divergence else None
+    if c.source is not None:
+        return resummarize(Path(c.source), Path(c.out), c.bootstrap, divergence)
+    return run([Path(x) for x in c.checkpoint], Path(c.out), c.tasks, c.examples, c.length,
+               params, getattr(torch, c.dtype), c.bootstrap, divergence)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import build_parser, config_from_args
+    p = build_parser(ErfConfig, prog="python -m evals.erf", description=__doc__.split("\n\n")[0])
+    c = config_from_args(ErfConfig, p.parse_args(argv))
     try:
-        if c.source is not None:
-            resummarize(Path(c.source), Path(c.out), c.bootstrap, divergence)
-        else:
-            run([Path(x) for x in c.checkpoint], Path(c.out), c.tasks, c.examples, c.length,
-                params, getattr(torch, c.dtype), c.bootstrap, divergence)
+        run_config(c)
+    except SettingsError as exc:
+        p.error(str(exc))
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

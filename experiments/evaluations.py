@@ -1,12 +1,14 @@
-"""The evaluation steps of a study: suites, divergence, the real-text reading and lm-eval, each a
+"""The evaluation steps of a study: suites, divergence, erf, the real-text reading and lm-eval, each a
 step skipped by the hash of its inputs (`experiments.freshness`) and run by one skeleton
 (`EvaluationSteps.execute`: skip when fresh, clear what a previous run wrote, run, stamp and
 record). A mixin of `experiments.run.Study`, which owns the study (`spec`, `out`, `wandb`,
 `project`, `group`, `env`, `repair`) and its bookkeeping (`record`, `checkpoints`, `run_job`).
-Also how a study's `suite:` spec becomes one suite step's options (`suite_options`)."""
+Also how a study's `suite:` spec becomes one suite step's options (`suite_options`), and its
+`erf:` section one model's erf options (`erf_options`)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -87,6 +89,34 @@ def suite_computed(options: dict[str, Any], own) -> dict[str, Any]:
     if own.has_decoder and any(f in FAMILIES and FAMILIES[f].turn_modes for f in families):
         computed["policies"] = list(POLICIES)
     return computed
+
+
+def erf_options(spec: dict[str, Any], own) -> dict[str, Any]:
+    """The `evals.erf.ErfConfig` fields of one model's erf step (all but the driver's: out,
+    checkpoint, source, divergence): the study's `erf:` keys with `length` and every value in
+    `params` written as a W form or R_exact resolved for the model `own` (its W, its R_exact),
+    `params` as the JSON the tool takes, and the prompt lengthened to R_exact + W where the
+    given length would cut the decoder's reach (influence from beyond the prompt would go
+    unmeasured, and the share beyond W read low)."""
+    from dataclasses import fields
+
+    from ced import exact_replay_length
+    from ced.config import is_window_form, replay_length
+    from evals.erf import ErfConfig
+
+    def resolve(value: Any, key: str) -> Any:
+        text = value.replace(" ", "") if isinstance(value, str) else None
+        if text is not None and (text == "R_exact" or is_window_form(text)):
+            return replay_length(own, text, name=f"erf.{key}")
+        return value
+    defaults = {f.name: f.default for f in fields(ErfConfig)}
+    options = {k: v for k, v in spec.items() if k != "params"}
+    length = resolve(spec.get("length", defaults["length"]), "length")
+    options["length"] = max(int(length), exact_replay_length(own) + own.window)
+    params = {task: {k: resolve(v, f"params.{task}.{k}") for k, v in values.items()}
+              for task, values in (spec.get("params") or {}).items()}
+    options["params"] = json.dumps(params, sort_keys=True)
+    return options
 
 
 def mode_slug(mode: str) -> str:
@@ -360,3 +390,39 @@ class EvaluationSteps:
             self.execute(step, f"suite {label}", lambda: self.run_job(
                 "suite", job, log.with_suffix(".json"), log), {"checkpoint": str(final)},
                 title=f"suite {label}: N={options['replays']}", log=str(log))
+
+    # erf
+    def _erf_steps(self, checkpoints: dict[str, tuple[Path, str]]):
+        """The erf steps of these checkpoints as they would run now, one per model with decoder
+        windows (the others have no window state to measure): key, label, out, done, hash,
+        inputs (the resolved options and the training hash), written, final."""
+        from ced.checkpoint import load_config
+        written = {"erf": plain(self.spec.erf)}
+        for label, (final, trained) in checkpoints.items():
+            own = load_config(final)
+            if not own.traits.decoder_windows:
+                continue
+            out = self.out / "erf" / label
+            inputs = {"erf": erf_options(self.spec.erf, own), "trained": trained}
+            yield {"key": f"erf/{label}", "label": label, "out": out,
+                   "done": out / "summary.json", "hash": config_hash(inputs), "inputs": inputs,
+                   "written": written, "final": final}
+
+    def erf(self) -> None:
+        """`evals.erf` per checkpoint of the `jobs=` jobs (the decoder's influence by distance:
+        the share beyond W that `analysis.archive` and `analysis.reach` read), each step rerun
+        when its checkpoint or its resolved options change."""
+        if self.spec.erf is None:
+            return
+        checkpoints = self.checkpoints()
+        if not checkpoints:
+            self.record("erf", "skipped", reason="no trained checkpoint")
+            return
+        for step in self._erf_steps(checkpoints):
+            label, options, out = step["label"], step["inputs"]["erf"], step["out"]
+            job = {**options, "checkpoint": [str(step["final"])], "out": str(out)}
+            log = self.out / "logs" / f"erf_{label.replace('/', '_')}.log"
+            self.execute(step, f"erf {label}", lambda: self.run_job(
+                "erf", job, log.with_suffix(".json"), log), {"checkpoint": str(step["final"])},
+                title=f"erf {label}: T={options['length']}",
+                clear=[out / name for name in ("erf.csv", "erf.md", "erf.png")], log=str(log))

@@ -7,6 +7,7 @@ command line is built from (`evals.cli`):
     suite        evals.suites.runner.SuiteConfig   -> run_suite
     divergence   evals.divergence.DivergenceConfig -> run
     real_text    evals.real_text.RealTextConfig    -> run
+    erf          evals.erf.ErfConfig               -> run_config
 
 A key that is not a field is an error naming it and the allowed fields.
 """
@@ -35,8 +36,13 @@ def _real_text() -> tuple[type, Callable[[Any], Any]]:
     return RealTextConfig, run
 
 
+def _erf() -> tuple[type, Callable[[Any], Any]]:
+    from evals.erf import ErfConfig, run_config
+    return ErfConfig, run_config
+
+
 JOBS: dict[str, Callable[[], tuple[type, Callable[[Any], Any]]]] = {
-    "suite": _suite, "divergence": _divergence, "real_text": _real_text}
+    "suite": _suite, "divergence": _divergence, "real_text": _real_text, "erf": _erf}
 # the tools whose batch loops stop at a SIGTERM/SIGINT (`ced.signals.stop_point`); the others
 # keep the signals' default effect
 STOPS_BETWEEN_BATCHES = ("suite", "divergence", "real_text")

@@ -1,5 +1,5 @@
 """The study driver's `only=plan`: every step `only=all` would run (each training run, the
-divergence, each suite, the real-text reading, each lm-eval read, the report), with its action
+divergence, each suite, each erf, the real-text reading, each lm-eval read, the report), with its action
 and reason, decided by the code the run itself uses (`Study.decide` for training,
 `experiments.freshness.step_decision` for the evaluations), without doing any of it."""
 
@@ -66,6 +66,11 @@ def _plan_evaluations(study, pending: list[str]) -> list[dict]:
                  for label in pending]
         rows += [_plan_step(study, step) for step in study._suite_steps(study.checkpoints())
                  if step["run"] not in pending]
+    if spec.erf is not None:
+        rows += [plan_row(f"erf/{label}", "run", f"after training {label}")
+                 for label in pending]
+        rows += [_plan_step(study, step) for step in study._erf_steps(study.checkpoints())
+                 if step["label"] not in pending]
     real_text = spec.real_text
     if real_text is not None:
         rows.append(plan_row("real_text", "run", after) if pending else

@@ -22,6 +22,7 @@ job is trained with, and divergence and suite settings. Layout of the study dire
     runs/<job>/seed<k>/        each training run's Hydra directory (metrics.jsonl, final/, wandb/)
     divergence/                evals.divergence over every trained checkpoint with a decoder
     suite/<job>/seed<k>[@topk=K]/   evals.suites per checkpoint (and eval-time top-k override)
+    erf/<job>/seed<k>/         evals.erf per checkpoint with decoder windows (the study's erf:)
     real_text/                 evals.real_text over every trained checkpoint (data=stdlib
                                studies: per-byte KL of bounded replay on held-out files)
     logs/<step>.log            the full output of every subprocess
@@ -403,6 +404,7 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     if opts.only in ("all", "eval"):
         study.divergence()
         study.suite()
+        study.erf()
         study.real_text()
         study.lm_eval()
     path = None

@@ -3,7 +3,8 @@
 A study is checked like a training config: every key against the dataclasses below (a
 misspelt key such as `overides`, `exampels` or `divergance` is a one-line `StudyError` naming
 the key and the allowed keys), then the values against their types through OmegaConf's
-structured configs. `divergence:` keys are checked against `evals.divergence.DivergenceConfig`
+structured configs. `divergence:` keys are checked against `evals.divergence.DivergenceConfig`,
+`erf:` keys against `evals.erf.ErfConfig` (less what the driver sets per model: `ERF_DRIVEN`)
 and `suite:` keys against `SuiteSpec` (the options of `python -m evals.suites`).
 """
 
@@ -110,6 +111,7 @@ class ScaleSpec:
     divergence: Dict[str, Any] = field(default_factory=dict)
     suite: Dict[str, Any] = field(default_factory=dict)
     real_text: Dict[str, Any] = field(default_factory=dict)
+    erf: Dict[str, Any] = field(default_factory=dict)
     seeds: Optional[List[int]] = None   # replaces the study's seeds at this scale
 
 
@@ -130,6 +132,9 @@ class StudyConfig:
     divergence: Optional[Dict[str, Any]] = None     # evals.divergence.DivergenceConfig keys
     suite: Optional[SuiteSpec] = None
     real_text: Optional[RealTextSpec] = None
+    # evals.erf per trained model with decoder windows (evals.erf.ErfConfig keys but
+    # ERF_DRIVEN); `length` and the values in `params` may be W forms, resolved per model
+    erf: Optional[Dict[str, Any]] = None
     scales: Dict[str, ScaleSpec] = field(default_factory=dict)
     scale: str = "demo"             # set by the loader: the scale applied
 
@@ -201,6 +206,26 @@ def _check_divergence(spec: dict | None, where: str) -> None:
                                      f"{where}{key}: {sorted(inner)}")
 
 
+# the fields of evals.erf.ErfConfig the driver sets per model, not the study file
+ERF_DRIVEN = ("out", "source", "checkpoint", "divergence")
+
+
+def _check_erf(spec: dict | None, where: str) -> None:
+    """erf keys against ErfConfig (less ERF_DRIVEN); `params` must map task -> mapping."""
+    if not spec:
+        return
+    from evals.erf import ErfConfig
+    allowed = sorted(f.name for f in fields(ErfConfig) if f.name not in ERF_DRIVEN)
+    for key in spec:
+        if key not in allowed:
+            raise StudyError(f"{where}{key}: unknown key; allowed keys of "
+                             f"{where.rstrip('.')}: {allowed}")
+    params = spec.get("params", {})
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise StudyError(f"{where}params: a mapping of task to generator params, e.g. "
+                         f"{{running_state: {{window_len: 3W/2}}}}; got {params!r}")
+
+
 def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -> StudyConfig:
     """conf/experiment/<name>.yaml, checked, with its `scales.<scale>` section applied (train
     overrides appended, divergence/suite keys and seeds replaced); `seeds` (the driver's
@@ -224,8 +249,10 @@ def _read_study(path: Path, where: str) -> StudyConfig:
     try:
         _check_keys(raw, StudyConfig, "")
         _check_divergence(raw.get("divergence"), "divergence.")
+        _check_erf(raw.get("erf"), "erf.")
         for scale_name, extra in (raw.get("scales") or {}).items():
             _check_divergence((extra or {}).get("divergence"), f"scales.{scale_name}.divergence.")
+            _check_erf((extra or {}).get("erf"), f"scales.{scale_name}.erf.")
             _check_keys((extra or {}).get("suite") or {}, SuiteSpec, f"scales.{scale_name}.suite.")
             _check_keys((extra or {}).get("real_text") or {}, RealTextSpec,
                         f"scales.{scale_name}.real_text.")
@@ -250,6 +277,8 @@ def _apply_scale(study: StudyConfig, scale: str, seeds: list[int] | None, where:
     study.train = preset_overrides(study.presets, where) + list(study.train) + list(extra.train)
     if study.divergence is not None:
         study.divergence = {**study.divergence, **extra.divergence}
+    if study.erf is not None:
+        study.erf = {**study.erf, **extra.erf}
     if study.suite is not None and extra.suite:
         study.suite = _merged(SuiteSpec, study.suite, extra.suite)
     if study.real_text is not None and extra.real_text:
