@@ -53,7 +53,7 @@ def test_the_tiny_study_trains_and_reads_real_text(study):
     assert ced[ced["distance"] == 1]["kl"].mean() > 1e-7
     assert {"identifier_far", "closer_before_replay", "other"} <= set(tokens["group"])
     classes = pd.read_csv(rt / "kl_by_class.csv")
-    assert set(classes["replay"].astype(str)) == {"1", "W/2", "W", "2W", "R_exact"}
+    assert set(classes["replay"].astype(str)) == {"1", "W/2", "W", "2W", "3W", "4W", "R_exact"}
 
 
 def test_the_code_tasks_run_through_lm_eval_for_every_mode(study):
