@@ -371,7 +371,8 @@ def chance_running_state(p: dict) -> float:
 
 def _running(kind: str) -> Callable[[Any], list[Point]]:
     """The sweep of one running_state kind: `|` at distance M + 2 around each N and at W + 2,
-    or at each of the settings' `span_starts` when set; one prompt length for every point."""
+    or at each of the settings' `span_starts` when set; one prompt length for every point, or
+    with `state_filler` set, training's layout (a random prefix of 0..state_filler symbols)."""
     def points(s: Any) -> list[Point]:
         # `|` lies at distance M + 2: M + 2 in {N-1, N, N+1} puts the start of the counted
         # window just inside / at / just outside the replay; a grid of span starts
@@ -383,6 +384,12 @@ def _running(kind: str) -> Callable[[Any], list[Point]]:
             for n in s.point_replays:
                 targets |= {n - 1, n, n + 1}
         windows = sorted({d - 2 for d in targets if d - 2 >= 1})
+        filler = getattr(s, "state_filler", None)
+        if filler is not None:
+            # training's layout: each example draws its own prefix of 0..filler symbols, so a
+            # short span is read after a short prefix, as the model met it in training
+            return [Point(m + 2, {"kind": kind, "window_len": m, "filler": filler})
+                    for m in windows if m + 3 + filler <= s.length_cap]
         windows = [m for m in windows if m + 3 + SLACK <= s.length_cap]
         if not windows:
             return []

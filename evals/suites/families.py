@@ -62,6 +62,10 @@ class SuiteSettings:
     # running_count/_parity/_bracket prompts of at least this many tokens (a longer random
     # prefix before `|`); None: as short as the windows allow (window + 3 + SLACK)
     state_length: int | None = None
+    # running_count/_parity/_bracket prompts laid out as training lays them out: a random
+    # prefix of 0..F symbols before `|`, drawn per example (the task's `filler`), instead of one
+    # prompt length for every point; None: one length (`state_length` or the longest span's)
+    state_filler: int | None = None
     # the running families' span starts (distance of `|`), replacing the points around each N:
     # set from `span_grid` ("uncensored": `uncensored_span_starts`), with `extra_distances`
     span_starts: tuple[int, ...] | None = None
@@ -88,6 +92,14 @@ class SuiteSettings:
             if not sweep or sweep[0] < 1:
                 raise ValueError(f"sweep_replays: need at least one N >= 1; got {sweep}")
             kw["sweep_replays"] = sweep
+        filler = kw.get("state_filler")
+        if filler is not None:
+            if isinstance(filler, bool) or not isinstance(filler, int) or filler < 0:
+                raise ValueError(f"state_filler: an int >= 0 (the most prefix symbols before "
+                                 f"`|`); got {filler!r}")
+            if kw.get("state_length") is not None:
+                raise ValueError("state_filler and state_length: set one (a random prefix of "
+                                 "0..state_filler symbols, or one prompt length)")
         if span_grid is not None:
             if span_grid not in SPAN_GRIDS:
                 raise ValueError(f"span_grid: one of {', '.join(SPAN_GRIDS)}; got {span_grid!r}")

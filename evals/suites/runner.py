@@ -339,6 +339,10 @@ class SuiteConfig:
     state_length: Optional[int] = option(None, metavar="T", help=(
         "running_count/_parity/_bracket prompts of at least T tokens (a longer random prefix "
         "before `|`; default: as short as the window allows)"))
+    state_filler: Optional[int] = option(None, metavar="F", help=(
+        "running_count/_parity/_bracket prompts laid out as training lays them out: a random "
+        "prefix of 0..F symbols before `|`, drawn per example (default: one prompt length for "
+        "every point; not with --state-length)"))
     span_grid: Optional[str] = option(None, choices=lambda: list(SPAN_GRIDS), help=(
         "the running families' span starts on a named grid instead of around each --replay: "
         "uncensored = W/2, W, W+1, 3W/2, 2W, 3W, 4W, 6W, ... below R_exact, R_exact, 1.5 "
@@ -412,6 +416,7 @@ def run_suite(config: SuiteConfig) -> dict:
                                          needle_distractors=c.needle_distractors,
                                          sweep_replays=sweep_replays,
                                          state_length=c.state_length,
+                                         state_filler=c.state_filler,
                                          span_grid=c.span_grid)
     docs = build_documents(settings, c.examples, c.families, seed_offset=c.seed_offset)
     write_jsonl(docs, out / "data")

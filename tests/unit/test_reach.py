@@ -56,6 +56,32 @@ def test_generator_realises_each_requested_bin(window, decoder_layers, family):
             assert doc["target"] == str(window_text.count("(") - window_text.count(")"))
 
 
+@pytest.mark.parametrize("filler", [0, 7, 32])
+@pytest.mark.parametrize("family", ["running_count", "running_bracket"])
+def test_state_filler_lays_prompts_out_as_training_does(filler, family):
+    """With state_filler every example draws its own prefix of 0..F symbols before `|` (the
+    training layout), the span start is still the bin's, and the prompt is never longer than
+    the span plus F; without it every prompt has one length (the test above)."""
+    cfg = _cfg(8, 8)
+    settings = SuiteSettings.from_config(cfg, [8], span_grid="uncensored", state_filler=filler)
+    docs = build_documents(settings, examples=12, families=[family])
+    assert sorted({d["x"] for d in docs}) == uncensored_span_starts(8, exact_replay_length(cfg))
+    prefixes = set()
+    for doc in docs:
+        context = doc["context"]
+        assert len(context) - context.rindex("|") == doc["x"] == doc["distance"]
+        prefix = context.rindex("|")
+        assert 0 <= prefix <= filler and doc["length"] == len(context) + 1   # + BOS
+        prefixes.add(prefix)
+    if filler >= 7:
+        assert len(prefixes) > 3          # drawn per example, not one length for all
+    with pytest.raises(ValueError, match="state_filler"):
+        SuiteSettings.from_config(cfg, [8], span_grid="uncensored", state_filler=-1)
+    with pytest.raises(ValueError, match="state_filler and state_length"):
+        SuiteSettings.from_config(cfg, [8], span_grid="uncensored", state_filler=filler,
+                                  state_length=120)
+
+
 def test_extra_distances_join_the_grid_and_bad_names_are_refused():
     cfg = _cfg(8, 2)
     settings = SuiteSettings.from_config(cfg, [8], span_grid="uncensored", extra_distances=(10,))
