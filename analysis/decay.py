@@ -73,8 +73,9 @@ FLOOR = 1e-9
 LAWS = (Law("per_token", "tau = tau0", "zero", False),
         Law("per_window", "tau = k W", "log_W", False))
 GEOMETRY = ("job", "seed", "W", "L_d", "L_e", "R_exact")
-# The change of perplexity an engine accepts from bounded replay: 0.1% (issue 49's N*_text),
-# and V4.1's window, where N*_text is extrapolated.
+# The change of perplexity an engine accepts from bounded replay: 0.1% (N*_text's bar: the
+# smallest N whose relative change of perplexity stays under it), and V4.1's window, where
+# N*_text is extrapolated.
 BAR, V41_WINDOW = 0.001, 128
 CLASS_REQUIRED = ("checkpoint", "job", "level", "replay", "N", "group", "dnll_mean")
 
