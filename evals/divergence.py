@@ -271,6 +271,14 @@ def run(c: DivergenceConfig, out_dir: Path) -> list[dict]:
     return rows
 
 
+def run_config(c: DivergenceConfig) -> list[dict]:
+    """`run` into the config's own `out_dir` (required here): the study driver's entry
+    (`experiments.job divergence`)."""
+    if not c.out_dir:
+        raise ValueError("out_dir: required (the directory the outputs are written to)")
+    return run(c, Path(c.out_dir))
+
+
 def _check_run(c: DivergenceConfig) -> torch.dtype:
     """The config's errors before any work (every checkpoint's replay forms included, before
     hours go into the first); sets the thread count; returns the dtype."""

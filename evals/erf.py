@@ -59,6 +59,8 @@ from . import plots
 from .cli import option
 
 SHARES = (0.99, 0.999)
+# every file `run` writes into --out
+OUTPUTS = ("erf.csv", "summary.json", "erf.md", "erf.png")
 
 
 # ---- prompts ------------------------------------------------------------------------------
