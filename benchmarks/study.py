@@ -135,7 +135,7 @@ def suite_batch(shape: str, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tenso
     """(prompts [B, P], targets [B, G]) of the study's suite for the ced model of `cfg`: its
     first family, its options (state_length), N = W, the most common prompt length, at most
     SUITE_BATCH documents; None for a study without a suite."""
-    suite = load_study(SHAPES[shape][0], "full").suite
+    suite = load_study(SHAPES[shape][0], "full").evaluations.get("suite")
     if suite is None:
         return None
     options = suite.options or {}

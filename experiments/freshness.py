@@ -72,7 +72,10 @@ def describe_step_change(stamp: dict | None, digest: str, inputs: dict,
         return (f"hash {old_hash} -> {digest}: a checkpoint was retrained or the settings "
                 f"changed")
     old = stamp["inputs"]
-    parts = differences(stamp.get("written") or {}, written or {})
+    # a record that kept no written settings names what changed in its resolved inputs
+    # instead: against nothing, every key the study writes would read as added
+    parts = ([] if stamp.get("written") is None else
+             differences(stamp["written"], written or {}))
     if old.get("trained") != inputs.get("trained"):
         parts.append("a checkpoint it reads was retrained")
     if not parts:

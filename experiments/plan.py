@@ -1,13 +1,15 @@
-"""The study driver's `only=plan`: every step `only=all` would run (each training run, the
-divergence, each suite, each erf, the real-text reading, each lm-eval read, the report), with its action
-and reason, decided by the code the run itself uses (`Study.decide` for training,
-`experiments.freshness.step_decision` for the evaluations), without doing any of it."""
+"""The study driver's `only=plan`: every step `only=all` would run (each training run, the steps
+of every registered evaluation tool in the order the driver runs them, each lm-eval read, the
+report), with its action and reason, decided by the code the run itself uses (`Study.decide`
+for training, `EvaluationSteps.tool_steps` and `experiments.freshness.step_decision` for the
+evaluations), without doing any of it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .freshness import step_decision
+from .tools import OVER_MODELS, EvaluationTool, tools
 
 
 def plan_study(study) -> list[dict]:
@@ -43,11 +45,8 @@ def _plan_training(study) -> list[dict]:
     return rows
 
 
-def _plan_step(study, step: dict | None, none: tuple[str, str] = ("", "")) -> dict:
-    """The plan's line for one prepared evaluation step, or (`none`: its name and why) for a
-    step that has nothing to read."""
-    if step is None:
-        return plan_row(none[0], "skip", none[1])
+def _plan_step(study, step: dict) -> dict:
+    """The plan's line for one prepared evaluation step."""
     action, reason = step_decision(step, study.repair)
     return plan_row(step["key"], action, reason, hash=step["hash"])
 
@@ -55,31 +54,27 @@ def _plan_step(study, step: dict | None, none: tuple[str, str] = ("", "")) -> di
 def _plan_evaluations(study, pending: list[str]) -> list[dict]:
     """The evaluation steps: those that read a checkpoint of `pending` run after its
     training; the others are decided now, from what is on disk."""
-    rows, after = [], f"after training {', '.join(pending)}"
-    spec = study.spec
-    if spec.divergence is not None:
-        step, why = (None, "") if pending else study._divergence_step()
-        rows.append(plan_row("divergence", "run", after) if pending else
-                    _plan_step(study, step, ("divergence", why)))
-    if spec.suite is not None:
-        rows += [plan_row(f"suite/{label}", "run", f"after training {label}")
-                 for label in pending]
-        rows += [_plan_step(study, step) for step in study._suite_steps(study.checkpoints())
-                 if step["run"] not in pending]
-    if spec.erf is not None:
-        rows += [plan_row(f"erf/{label}", "run", f"after training {label}")
-                 for label in pending]
-        rows += [_plan_step(study, step) for step in study._erf_steps(study.checkpoints())
-                 if step["label"] not in pending]
-    real_text = spec.real_text
-    if real_text is not None:
-        rows.append(plan_row("real_text", "run", after) if pending else
-                    _plan_step(study, study._real_text_step(),
-                               ("real_text", "no trained checkpoint")))
+    rows = []
+    for tool in tools():
+        if study.spec.evaluations.get(tool.name) is not None:
+            rows += _plan_tool(study, tool, pending)
+    real_text = study.spec.evaluations.get("real_text")
     if real_text is not None and (real_text.lm_eval_modes or real_text.lm_eval_turn_modes):
         if pending:
-            rows.append(plan_row("lm_eval", "run", after))
+            rows.append(plan_row("lm_eval", "run", f"after training {', '.join(pending)}"))
         else:
             for tasks_step, runs in study._lm_eval_steps():
                 rows += [_plan_step(study, step) for step in (tasks_step, *runs)]
     return rows
+
+
+def _plan_tool(study, tool: EvaluationTool, pending: list[str]) -> list[dict]:
+    """The steps of one tool: one over every model runs after any pending training; a per
+    model step runs after its own model's."""
+    if tool.scope == OVER_MODELS and pending:
+        return [plan_row(tool.name, "run", f"after training {', '.join(pending)}")]
+    rows = [] if tool.scope == OVER_MODELS else [
+        plan_row(f"{tool.name}/{label}", "run", f"after training {label}") for label in pending]
+    steps, why = study.tool_steps(tool)
+    rows += [_plan_step(study, step) for step in steps if step["run"] not in pending]
+    return rows or [plan_row(tool.name, "skip", why)]

@@ -17,7 +17,8 @@ once.
 A Hydra app over `conf/study.yaml` (keys: `DriverConfig`). A study is
 `conf/experiment/<name>.yaml`, checked against `experiments.study.StudyConfig` (see docs/studies.md,
 "Studies"): training jobs as Hydra override lists for `python -m ced.train`, the seeds each
-job is trained with, and divergence and suite settings. Layout of the study directory:
+job is trained with, and the sections of the evaluation tools it runs (`experiments.tools`:
+divergence, suite, erf, real_text and any tool registered). Layout of the study directory:
 
     runs/<job>/seed<k>/        each training run's Hydra directory (metrics.jsonl, final/, wandb/)
     divergence/                evals.divergence over every trained checkpoint with a decoder
@@ -25,6 +26,7 @@ job is trained with, and divergence and suite settings. Layout of the study dire
     erf/<job>/seed<k>/         evals.erf per checkpoint with decoder windows (the study's erf:)
     real_text/                 evals.real_text over every trained checkpoint (data=stdlib
                                studies: per-byte KL of bounded replay on held-out files)
+    <tool>[/<job>/seed<k>]/    any other registered tool: a folder per model, or one over all
     logs/<step>.log            the full output of every subprocess
     report/                    report.md, report.html, PNG plots (analysis.report)
     summary.json               the status of every step (ok / skipped / reused / failed /
@@ -65,6 +67,7 @@ from .freshness import read_stamp as _read_stamp
 from .plan import plan_study
 from .steps import ROOT, banner, stream
 from .study import StudyConfig, StudyError, config_hash, load_study
+from .tools import EvaluationTool, tools
 from .training_runs import TrainingRuns
 
 CONF_DIR = str(ROOT / "conf")
@@ -160,8 +163,8 @@ class Study(TrainingRuns, EvaluationSteps):
         unknown = sorted(set(jobs or []) - set(known))
         if unknown:
             raise StudyError(f"jobs: no job(s) {unknown} in study {spec.name}; its jobs: {known}")
-        # jobs=[...]: train and suite-evaluate only these (the divergence step and the report
-        # always cover every finished run of the study)
+        # jobs=[...]: train these and run the per model evaluation steps on them only (a step
+        # over every model, such as divergence, and the report cover every finished run)
         self.jobs = list(jobs) if jobs else None
         self.reuse = [Path(p).resolve() for p in reuse or []]
         self.group, self.project, self.on_change = group or spec.name, project, on_change
@@ -231,13 +234,16 @@ class Study(TrainingRuns, EvaluationSteps):
                 for job in self.spec.jobs for seed in self.spec.seeds_of(job)
                 if all_jobs or self.jobs is None or job.name in self.jobs]
 
-    def run_job(self, kind: str, config: dict, config_file: Path, log: Path) -> tuple[int, str]:
-        """Write `config` (the fields of tool `kind`'s config dataclass) to `config_file` and
-        run it as `python -m experiments.job` in a subprocess; (return code, last lines)."""
+    def run_job(self, tool: EvaluationTool, config: dict, config_file: Path,
+                log: Path) -> tuple[int, str]:
+        """Write `config` (the fields of `tool`'s config dataclass) to `config_file` and run it
+        as `python -m experiments.job` in a subprocess, which imports the tool's module (where
+        a tool registered outside `experiments.tools` registers itself); (return code, last
+        lines)."""
         config_file.parent.mkdir(parents=True, exist_ok=True)
         config_file.write_text(json.dumps(config, indent=1))
-        return stream([sys.executable, "-m", "experiments.job", kind, str(config_file),
-                       str(self.threads)], log, self.env)
+        return stream([sys.executable, "-m", "experiments.job", tool.name, str(config_file),
+                       str(self.threads), "--module", tool.module], log, self.env)
 
     def run_dir(self, label: str) -> Path:
         return self.out / "runs" / label
@@ -345,10 +351,9 @@ def earlier_record(out: Path, repair: bool = True) -> tuple[dict[str, dict], lis
 
 def rebuild_steps(out: Path) -> dict[str, dict]:
     """summary.json's step entries of every step whose `study_step.json` and outputs are there
-    (state ok, `rebuilt: true`, its hash and directory): training runs with final weights,
-    divergence, real text, lm-eval task and mode runs, suite runs."""
-    done_file = {"runs": "final/model.safetensors", "divergence": "summary.json",
-                 "suite": "summary.json", "real_text": "baselines.csv"}
+    (state ok, `rebuilt: true`, its hash and directory): training runs with final weights, the
+    steps of every registered evaluation tool, lm-eval task and mode runs."""
+    done_file = {"runs": "final/model.safetensors", **{tool.name: tool.done for tool in tools()}}
     steps: dict[str, dict] = {}
     for stamp_path in sorted(out.rglob(STAMP)):
         directory = stamp_path.parent
@@ -394,7 +399,7 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
           flush=True)
     if opts.only == "plan":
         from omegaconf import OmegaConf
-        print(OmegaConf.to_yaml(OmegaConf.structured(spec)), flush=True)
+        print(OmegaConf.to_yaml(spec.as_written()), flush=True)
         # a plan that would refuse a step (or a job's config) fails, as the run would
         bad = [r for r in study.plan() if r["action"] in ("config_error", "refuse")]
         return 2 if bad else 0
@@ -402,11 +407,7 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
         study.check_configs()
         study.train()
     if opts.only in ("all", "eval"):
-        study.divergence()
-        study.suite()
-        study.erf()
-        study.real_text()
-        study.lm_eval()
+        study.evaluate()
     path = None
     if opts.only in ("all", "report"):
         path = study.report()

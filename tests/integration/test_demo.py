@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.evaluations import resolve_lengths
+from experiments.sections import resolve_lengths
 from experiments.study import STUDY_DIR
 from experiments.study import load_study
+from experiments.tools import TOOLS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,7 +176,7 @@ def test_the_plan_lists_every_step_and_what_changed(tiny_study, tmp_path, capsys
     # a run gives the same reason, from the same decision (in-process: a run costs seconds)
     from experiments.run import Study
     study = Study(load_study(str(more)), out, 1, wandb=False)
-    step = next(s for s in study._suite_steps(study.checkpoints()) if s["label"] == "ced/seed0")
+    step = next(s for s in study.tool_steps(TOOLS["suite"])[0] if s["label"] == "ced/seed0")
     assert not study._fresh("suite ced/seed0", step)
     assert ("suite ced/seed0: inputs changed (suite.replay gained 3W); rerunning"
             in capsys.readouterr().out)
@@ -194,10 +195,10 @@ def test_a_new_multi_turn_policy_reruns_exactly_the_suites_that_read_it(tiny_stu
     multi = changed_tiny(tmp_path / "multi.yaml", "families: [recall, short]",
                          "families: [recall, short, multiturn]")
     study = Study(load_study(str(multi)), out, 1, wandb=False)
-    for step in study._suite_steps(study.checkpoints()):   # as if every suite had run
+    for step in study.tool_steps(TOOLS["suite"])[0]:   # as if every suite had run
         step["done"].parent.mkdir(parents=True, exist_ok=True)
         step["done"].write_text("{}")
-        write_stamp(step["out"], step_record(step, checkpoint=str(step["final"])))
+        write_stamp(step["out"], step_record(step, checkpoint=step["reading"].paths[0]))
     rows = {r["run"]: r for r in study.plan()}
     assert rows["suite/ced/seed0"]["action"] == "skip", rows["suite/ced/seed0"]
     monkeypatch.setattr(ced.inference, "POLICIES", (*ced.inference.POLICIES, "dummy_policy"))
@@ -207,7 +208,7 @@ def test_a_new_multi_turn_policy_reruns_exactly_the_suites_that_read_it(tiny_stu
         assert rows[key]["reason"] == "inputs changed (policies gained dummy_policy)"
     # the tiny study reads no multi-turn family: its suites' hashes do not hold the policies
     plain = Study(load_study("tiny"), out, 1, wandb=False)
-    assert all("policies" not in s["inputs"] for s in plain._suite_steps(plain.checkpoints()))
+    assert all("policies" not in s["inputs"] for s in plain.tool_steps(TOOLS["suite"])[0])
 
 
 def test_a_plan_that_would_refuse_a_run_exits_2(tiny_study, tmp_path):

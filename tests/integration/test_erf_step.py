@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from ced.config import ModelConfig
-from experiments.evaluations import erf_options
+from experiments.sections import erf_options
 from experiments.study import StudyError, load_study
 
 ROOT = Path(__file__).resolve().parents[2]

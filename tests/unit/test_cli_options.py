@@ -99,7 +99,7 @@ def test_a_study_real_text_reading_setting_means_what_the_cli_option_means():
     """A study's `real_text:` reading keys are RealTextConfig fields under the same name with
     the same defaults (forms such as W compared as the strings the reading receives)."""
     from evals.real_text import RealTextConfig
-    from experiments.study import REAL_TEXT_READING, RealTextSpec
+    from experiments.sections import REAL_TEXT_READING, RealTextSpec
     spec = {f.name: f for f in dataclasses.fields(RealTextSpec)}
     config = {f.name: f for f in dataclasses.fields(RealTextConfig)}
     assert set(REAL_TEXT_READING) <= set(spec) & set(config)

@@ -179,8 +179,7 @@ def test_suite_distances_resolve_against_the_reference_model():
     the reference model (R_exact dropped for a model without a decoder), other options kept."""
     from ced import ModelConfig
     from ced.config import exact_replay_length
-    from experiments.evaluations import suite_options
-    from experiments.study import SuiteSpec
+    from experiments.sections import SuiteSpec, suite_options
     spec = SuiteSpec(replay=["W"], examples=7, families=["recall"],
                      distances=["R_exact", "2W", 62, 5], options={"state_length": 40})
     ced = ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2, window=16,
@@ -201,8 +200,7 @@ def test_suite_options_are_a_suite_config():
     from ced import ModelConfig
     from evals.suites.runner import SuiteConfig
     from experiments.job import load_job
-    from experiments.evaluations import suite_options
-    from experiments.study import SuiteSpec
+    from experiments.sections import SuiteSpec, suite_options
     spec = SuiteSpec(replay=["W/2", "W"], examples=3, turns=[2], sweep_replay=["W"],
                      options={"needle_distractors": 17})
     ced = ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2, window=16,
@@ -223,8 +221,7 @@ def test_suite_replays_and_turns_resolve_against_each_model():
     W/2 and cuts its turns at its own W/4, while every model is read at the reference's
     distances; a model without a decoder takes the reference's replays (it runs `full` only)."""
     from ced import ModelConfig
-    from experiments.evaluations import suite_options
-    from experiments.study import SuiteSpec
+    from experiments.sections import SuiteSpec, suite_options
 
     def ced(window: int) -> ModelConfig:
         return ModelConfig(variant="ced", n_encoder_layers=2, n_decoder_layers=2,
@@ -252,7 +249,7 @@ def test_seeds_default_to_one_and_can_be_overridden():
 def test_scales_apply_and_unknown_scale_is_rejected():
     demo, full = load_study("demo", "demo"), load_study("demo", "full")
     assert full.train[:len(demo.train)] == demo.train and len(full.train) > len(demo.train)
-    assert full.suite.examples > demo.suite.examples
+    assert full.evaluations["suite"].examples > demo.evaluations["suite"].examples
     with pytest.raises(StudyError, match="scale=huge"):
         load_study("demo", "huge")
 

@@ -146,7 +146,7 @@ def test_cost_model_accepts_every_form(form):
 
 
 def test_study_lengths_use_the_resolver():
-    from experiments.evaluations import resolve_lengths
+    from experiments.sections import resolve_lengths
     forms = [f for f in FORMS if f != "exact"]
     assert resolve_lengths(forms + ["exact"], CED) == \
         list(dict.fromkeys(replay_length(CED, f) for f in forms)) + ["exact"]
