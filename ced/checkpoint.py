@@ -248,6 +248,14 @@ def load_config(path_or_dir: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: not a valid model config ({_first_line(exc)})") from None
 
 
+def stated_override(value: int | str | None) -> str | None:
+    """An evaluation-time override (`topk`, `kv`) as a run records it: its text, or None
+    where it leaves the model as trained (None, "", "none" or "null")."""
+    if value is None or str(value).lower() in ("", "none", "null"):
+        return None
+    return str(value)
+
+
 def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
                          kv: str | None = None) -> ModelConfig:
     """`cfg` with the evaluation-time overrides applied, the one place they are read:
@@ -257,7 +265,7 @@ def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
     load into the result. A ValueError names `topk` or the bad `kv` part."""
     import dataclasses
     changes: dict = {}
-    if topk is not None and str(topk).lower() not in ("", "none", "null"):
+    if stated_override(topk) is not None:
         all_entries = str(topk).lower() == "all"
         try:
             k = cfg.max_seq_len if all_entries else int(topk)
@@ -268,7 +276,7 @@ def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
                              "trained with topk=None, reading every entry); only topk=all")
         if cfg.topk is not None and k != cfg.topk:
             changes["topk"] = k
-    if kv is not None and str(kv).lower() not in ("", "none", "null"):
+    if stated_override(kv) is not None:
         from .quant import parse_kv_override
         changes.update(parse_kv_override(kv))
     return dataclasses.replace(cfg, **changes) if changes else cfg

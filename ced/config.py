@@ -595,6 +595,16 @@ def is_window_form(text: str) -> bool:
     return _WINDOW_FORM.fullmatch(text.replace(" ", "")) is not None
 
 
+def window_form_length(text: str, window: int) -> int | None:
+    """floor(k * W / d), at least 1, of a window form ('W', 'W/d', 'kW', 'kW/d'; spaces
+    ignored) on a window of `window` positions; None when `text` is not a window form."""
+    form = _WINDOW_FORM.fullmatch(text.replace(" ", ""))
+    if form is None:
+        return None
+    times, divisor = int(form.group(1) or 1), int(form.group(2) or 1)
+    return max(1, times * window // divisor)
+
+
 def replay_length(c: ModelConfig, replay: None | int | str, part: ReplayPart = "decoder",
                   name: str = "replay") -> int | None:
     """The replay length N (decoder) or N_e (encoder) that `replay` stands for, not clipped.
@@ -616,10 +626,9 @@ def replay_length(c: ModelConfig, replay: None | int | str, part: ReplayPart = "
                 raise ValueError(f"{name}: variant {c.variant!r} has no decoder, so {replay!r} "
                                  f"is undefined; only {_split_variants()} have one")
             return exact_replay_length(c) if part == "decoder" else exact_encoder_replay_length(c)
-        form = _WINDOW_FORM.fullmatch(text)   # is_window_form, with its groups
-        if form:
-            times, divisor = int(form.group(1) or 1), int(form.group(2) or 1)
-            return max(1, times * c.window // divisor)
+        length = window_form_length(text, c.window)
+        if length is not None:
+            return length
     if isinstance(replay, bool) or not isinstance(replay, int):
         raise ValueError(f"{name}: expected {REPLAY_FORMS[part]}; got {replay!r}")
     if replay < 1:
