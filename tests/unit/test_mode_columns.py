@@ -1,0 +1,82 @@
+"""A mode is data downstream: `evals.modes.mode_columns` writes a Mode as typed columns, and a
+label (an archive written before the columns existed) gives the same columns back through the
+mode module alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import random
+
+import pandas as pd
+import pytest
+
+from ced.inference import POLICIES
+from evals.modes import (MODE_COLUMNS, label_columns, mode_columns, mode_from_columns,
+                         mode_sort_keys, named_mode, parse_mode, replay_lengths,
+                         with_mode_columns)
+
+FORMS = [1, 3, 8, 16, 40, "exact", "W", "W/2", "2W", "3W/2"]
+
+
+def random_modes(rng: random.Random, count: int) -> list:
+    """Modes over every field of the grammar, named by format_mode (long and short)."""
+    modes = []
+    for _ in range(count):
+        replay = rng.choice([None, *FORMS])
+        if rng.random() < 0.4:
+            modes.append(named_mode(replay=replay if replay is not None else rng.choice(FORMS)))
+            continue
+        cache = rng.random() < 0.8
+        modes.append(named_mode(replay=replay, turn=rng.randint(1, 64),
+                                policy=rng.choice([None, *POLICIES]),
+                                encoder_replay=rng.choice([None, *FORMS]) if cache else None,
+                                prefix_cache=cache, short=rng.random() < 0.5))
+    return [named_mode(), *modes]
+
+
+@pytest.mark.parametrize("window,r_exact", [(None, None), (4, 7), (8, 15), (16, 31),
+                                            (16, 1), (32, 141)])
+def test_columns_of_a_mode_equal_the_columns_recovered_from_its_label(window, r_exact):
+    modes = random_modes(random.Random(f"{window}-{r_exact}"), 300)
+    for mode in modes:
+        assert parse_mode(mode.name) == mode            # named_mode is what the label parses to
+        columns = mode_columns(mode, r_exact, window)
+        assert list(columns) == list(MODE_COLUMNS)
+        assert label_columns(mode.name, r_exact, window) == columns
+        assert mode_from_columns(columns, mode.name) == mode
+        assert dataclasses.replace(mode_from_columns(columns), name=mode.name) == mode
+    # a table: the written columns (read back from a CSV, numbers only as floats) and the
+    # columns recovered from the labels alone are the same typed values
+    written = pd.DataFrame([{"mode": m.name, **mode_columns(m, r_exact, window)} for m in modes])
+    labels = written[["mode"]]
+    from_labels = with_mode_columns(labels, r_exact, window)
+    read_back = pd.read_csv(io.StringIO(written.to_csv(index=False)))
+    from_columns = with_mode_columns(read_back, r_exact, window)
+    pd.testing.assert_frame_equal(from_labels, from_columns[from_labels.columns])
+
+
+def test_replay_n_resolves_forms_on_the_model_and_reads_one_turn_at_most_r_exact():
+    cases = {"full": "", "replay=8": 8, "replay=exact": 15, "replay=W/2": 4, "replay=3W": 15,
+             "replay=40": 15, "turn=4,policy=suffix_only,replay=40": 40,
+             "turn=4,policy=cached_hidden,replay=exact": 15}
+    for label, n in cases.items():
+        assert label_columns(label, r_exact=15, window=8)["replay_n"] == n, label
+    assert label_columns("replay=exact")["replay_n"] == ""        # R_exact not known
+    assert label_columns("replay=W")["replay_n"] == ""            # W not known
+    assert label_columns("yoco_early_exit") is None
+    assert mode_from_columns({}, "yoco_early_exit") is None
+
+
+def test_sort_key_and_replay_length_read_the_columns():
+    labels = ["turn=2,policy=suffix_only,replay=4", "replay=exact", "replay=16", "full",
+              "replay=4", "yoco_early_exit", "replay=W"]
+    table = pd.DataFrame({"mode": labels, "job": ["a"] * len(labels)})
+    ordered = table.assign(key=mode_sort_keys(table)).sort_values("key")["mode"].tolist()
+    assert ordered == ["full", "replay=4", "replay=16", "replay=exact",
+                       "replay=W", "turn=2,policy=suffix_only,replay=4", "yoco_early_exit"]
+    n = replay_lengths(table, r_exact=31, window=16)
+    assert n.fillna(-1).tolist() == [-1, 31, 16, -1, 4, -1, 16]
+    # a written column stands; a row without one (an older run in the same table) is filled
+    mixed = pd.DataFrame({"mode": ["replay=4", "replay=8"], "replay_n": [3.0, float("nan")]})
+    assert replay_lengths(mixed).tolist() == [3.0, 8.0]
