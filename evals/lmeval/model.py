@@ -45,7 +45,7 @@ from lm_eval.api.registry import register_model
 
 from ced.config import state_replay
 from ced.data import ByteTokenizer
-from evals.modes import Mode, mode_generate, mode_logits, parse_mode, resolve_mode
+from evals.modes import Mode, mode_generate, mode_logits, named_mode, parse_mode, resolve_mode
 
 log = logging.getLogger(__name__)
 _TOK = ByteTokenizer()
@@ -131,6 +131,7 @@ class CEDLM(LM):
         self.bos = _flag(bos, "bos")
         try:
             self.mode_name = build_mode(replay, turn, policy, encoder_replay, prefix_cache, mode)
+            # user input at lm-eval's command line (model_args): the one mode text read here
             self.mode: Mode = parse_mode(self.mode_name)
         except ValueError as exc:
             raise ModelArgsError(f"ced: model_args: {exc}") from None
@@ -163,8 +164,7 @@ class CEDLM(LM):
         self.replay_said = _say_replay(self.cfg, written) \
             if written is not None and self.mode.turn is None else None
         # rolling windows start from a lone BOS: no turn to split off
-        self.rolling_mode = parse_mode("full" if self.mode.replay is None
-                                       else f"replay={self.mode.replay}")
+        self.rolling_mode = named_mode(replay=self.mode.replay)
         replays = [int(self.mode.replay)] if isinstance(self.mode.replay, int) else []
         self.engine = make_engine(model, replays)
         self.batch_size = _batch_size(batch_size)

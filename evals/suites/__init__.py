@@ -5,10 +5,10 @@ mode (`runner`), and paired statistics (`stats`). CLI: `python -m evals.suites -
 from .families import (FAMILIES, Family, Point, SuiteSettings, build_documents, describe,
                        prompt_ids, read_jsonl, target_ids, write_jsonl)
 from .runner import (SuiteConfig, evaluate_documents, load_checkpoint, make_engine,
-                     paired_tests, run_suite, suite_modes, summarize)
+                     paired_tests, run_suite, suite_mode_values, suite_modes, summarize)
 from .stats import holm, mcnemar_exact, wilson_interval
 
 __all__ = ["FAMILIES", "Family", "Point", "SuiteSettings", "build_documents", "describe",
            "prompt_ids", "target_ids", "read_jsonl", "write_jsonl", "SuiteConfig", "evaluate_documents",
-           "load_checkpoint", "make_engine", "paired_tests", "run_suite", "suite_modes",
-           "summarize", "holm", "mcnemar_exact", "wilson_interval"]
+           "load_checkpoint", "make_engine", "paired_tests", "run_suite", "suite_mode_values",
+           "suite_modes", "summarize", "holm", "mcnemar_exact", "wilson_interval"]

@@ -34,15 +34,15 @@ import torch
 from torch import Tensor
 
 from ced import CEDModel, InferenceEngine
-from ced.checkpoint import load_model
-from ced.config import (default_hidden_tail, describe_replays, parse_replay_form, replay_length,
-                        resolve_replay, state_replay)
+from ced.checkpoint import load_model, stated_override
+from ced.config import (default_hidden_tail, describe_replays, exact_replay_length,
+                        parse_replay_form, replay_length, resolve_replay, state_replay)
 from ced.data import ByteTokenizer
 from ced.inference import POLICIES
 from ced.records import write_json
 from ced.signals import stop_point
 from evals.cli import option
-from evals.modes import Mode, mode_logits, parse_mode
+from evals.modes import MODE_COLUMNS, Mode, mode_columns, mode_logits, named_mode
 
 from .families import (FAMILIES, SPAN_GRIDS, SuiteSettings, build_documents, prompt_ids,
                        target_ids, write_jsonl)
@@ -71,19 +71,28 @@ def make_engine(model: CEDModel, replays: Iterable[int] = ()) -> InferenceEngine
 
 # ---- modes ----------------------------------------------------------------------------------
 
-def suite_modes(cfg, replays: Iterable[int], turns: Iterable[int] = ()) -> tuple[list[str], list[str]]:
+def suite_mode_values(cfg, replays: Iterable[int],
+                      turns: Iterable[int] = ()) -> tuple[list[Mode], list[Mode]]:
     """(modes for every family, extra multi-turn modes for families with turn_modes).
 
     Every family: full, replay=N for each N, replay=exact (dense/swa: full only).
     Multi-turn: turn=m,policy=P,replay=R for each m, each policy of docs/semantics.md 4.3, R in
-    N's + exact (a prefix cache, its 4.2, with exact encoder replay: evals.modes' default)."""
+    N's + exact (a prefix cache, its 4.2, with exact encoder replay: evals.modes' default,
+    which the labels leave out)."""
     if not cfg.has_decoder:
-        return [FULL], []
+        return [named_mode()], []
     replays = sorted(set(replays))
-    base = [FULL] + [f"replay={n}" for n in replays] + ["replay=exact"]
-    turn = [f"turn={m},policy={p},replay={r}" for m in sorted(set(turns)) for p in POLICIES
-            for r in [*replays, "exact"]]
+    base = [named_mode()] + [named_mode(replay=n) for n in [*replays, "exact"]]
+    turn = [named_mode(replay=r, turn=m, policy=p, short=True) for m in sorted(set(turns))
+            for p in POLICIES for r in [*replays, "exact"]]
     return base, turn
+
+
+def suite_modes(cfg, replays: Iterable[int],
+                turns: Iterable[int] = ()) -> tuple[list[str], list[str]]:
+    """The labels of `suite_mode_values`' modes (as summary.json records them)."""
+    base, turn = suite_mode_values(cfg, replays, turns)
+    return [m.name for m in base], [m.name for m in turn]
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -112,14 +121,18 @@ def _beyond(doc: dict, n: int | None) -> int | str:
 
 
 @torch.no_grad()
-def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
-                       turn_modes: list[str], batch_size: int = 64, engine=None,
-                       progress: bool = False) -> tuple[list[dict], list[str]]:
+def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[Mode],
+                       turn_modes: list[Mode], batch_size: int = 64, engine=None,
+                       progress: bool = False, topk_read: str | None = None,
+                       kv: str | None = None) -> tuple[list[dict], list[str]]:
     """Score every document under every mode. Returns (rows, warnings); one row per
-    (document, mode)."""
+    (document, mode), its mode as the label and as `evals.modes.mode_columns` (`topk_read`,
+    `kv`: the run's evaluation-time overrides, None where the model reads as trained)."""
     engine = engine or make_engine(model)
     cfg = model.cfg
-    parsed = {m: parse_mode(m) for m in base_modes + turn_modes}
+    r_exact = exact_replay_length(cfg) if cfg.has_decoder else None
+    columns = {m.name: mode_columns(m, r_exact, cfg.window, topk_read=topk_read, kv=kv)
+               for m in [named_mode(), *base_modes, *turn_modes]}
     rows: list[dict] = []
     warnings: list[str] = []
     by_family: dict[str, list[dict]] = defaultdict(list)
@@ -130,37 +143,37 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[str],
     for fam_name, fam_docs in by_family.items():
         fam = FAMILIES.get(fam_name)
         modes = base_modes + (turn_modes if fam is None or fam.turn_modes else [])
-        modes = [FULL] + [m for m in modes if m != FULL]    # full first: the reference
+        modes = [named_mode()] + [m for m in modes if m.name != FULL]   # full first: the reference
         for batch in _chunks(fam_docs, batch_size):
             stop_point()        # a SIGTERM/SIGINT stops here, before anything is written
             ctx = torch.tensor([prompt_ids(d) for d in batch], device=device)
             tgt = torch.tensor([target_ids(d) for d in batch], device=device)
             reference = reference_logp = None
-            for name in modes:
-                mode = parsed.get(name) or parse_mode(name)
+            for mode in modes:
                 try:
                     logits = mode_logits(engine, ctx, tgt, mode).double()
                 except ValueError as err:
-                    msg = f"{fam_name} T={ctx.shape[1]}: mode {name} skipped: {err}"
+                    msg = f"{fam_name} T={ctx.shape[1]}: mode {mode.name} skipped: {err}"
                     if msg not in warnings:
                         warnings.append(msg)
                     continue
                 logp = torch.log_softmax(logits, -1)
-                if name == FULL:
+                if mode.name == FULL:
                     reference, reference_logp = logits, logp
-                rows += _score_rows(cfg, batch, fam_name, name, mode, ctx, tgt, logits, logp,
-                                    reference, reference_logp)
+                rows += _score_rows(cfg, batch, fam_name, mode, columns[mode.name], ctx, tgt,
+                                    logits, logp, reference, reference_logp)
         if progress:
             print(f"  {fam_name}: {len(fam_docs)} examples x {len(modes)} modes "
                   f"({time.time() - start:.1f}s)", file=sys.stderr)
     return rows, warnings
 
 
-def _score_rows(cfg, batch: list[dict], family: str, name: str, mode, ctx: Tensor,
+def _score_rows(cfg, batch: list[dict], family: str, mode: Mode, columns: dict, ctx: Tensor,
                 tgt: Tensor, logits: Tensor, logp: Tensor, reference: Tensor,
                 reference_logp: Tensor) -> list[dict]:
-    """One result row per document of a batch under one mode: exact match of the answer,
-    its NLL, KL(full || mode) at the answer and the largest logit difference to `full`.
+    """One result row per document of a batch under one mode (its label and its `columns`,
+    `evals.modes.mode_columns`): exact match of the answer, its NLL, KL(full || mode) at the
+    answer and the largest logit difference to `full`.
     logits, logp [B, A, V] (A answer tokens, teacher-forced); reference*: `full`'s."""
     nll = -logp.gather(-1, tgt[..., None])[..., 0].sum(-1)
     # KL(full || mode) at the answer: summed over the target's (teacher-forced) positions, in
@@ -172,9 +185,10 @@ def _score_rows(cfg, batch: list[dict], family: str, name: str, mode, ctx: Tenso
     # Decoder positions replayed at the end of the prompt (None: no truncation).
     n_eff = None if mode.replay is None else resolve_replay(cfg, mode.replay, ctx.shape[1])
     return [{"id": doc["id"], "family": family, "x_name": doc["x_name"], "x": doc["x"],
-             "seed": doc["seed"], "mode": name,
+             "seed": doc["seed"], "mode": mode.name,
              "replay": "" if mode.replay is None else mode.replay,
              "turn": "" if mode.turn is None else mode.turn, "policy": mode.policy or "",
+             **columns,
              "distance": "" if doc.get("distance") is None else doc["distance"],
              "length": doc["length"], "beyond_replay": _beyond(doc, n_eff),
              "target": doc["target"], "prediction": _TOK.decode(pred[i]),
@@ -191,7 +205,8 @@ def _sort_x(x):
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Accuracy per (family, x, mode) and pooled over x (x = "all"), with Wilson 95% CIs."""
+    """Accuracy per (family, x, mode) and pooled over x (x = "all"), with Wilson 95% CIs;
+    beside each mode label its columns (`evals.modes.MODE_COLUMNS`) where the rows carry them."""
     cells: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         cells[(r["family"], r["x_name"], r["x"], r["mode"])].append(r)
@@ -203,7 +218,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         lo, hi = wilson_interval(k, n)
         chance = [r["chance"] for r in rs if r["chance"] != ""]
         out.append({
-            "family": family, "x_name": x_name, "x": x, "mode": mode, "n": n, "correct": k,
+            "family": family, "x_name": x_name, "x": x, "mode": mode,
+            **{name: rs[0][name] for name in MODE_COLUMNS if name in rs[0]}, "n": n, "correct": k,
             "accuracy": k / n, "ci_low": lo, "ci_high": hi,
             "chance": sum(chance) / len(chance) if chance else "",
             "mean_nll": sum(r["nll"] for r in rs) / n,
@@ -420,22 +436,24 @@ def run_suite(config: SuiteConfig) -> dict:
                                          span_grid=c.span_grid)
     docs = build_documents(settings, c.examples, c.families, seed_offset=c.seed_offset)
     write_jsonl(docs, out / "data")
-    base, turn = suite_modes(cfg, sorted({s.n for s in stated}), settings.turns)
+    base, turn = suite_mode_values(cfg, sorted({s.n for s in stated}), settings.turns)
     if not c.quiet:
         from .families import describe
         print(describe(settings), file=sys.stderr)
         print(f"replays: {describe_replays(stated)}", file=sys.stderr)
-        print(f"modes: {base} + {len(turn)} multi-turn modes on "
+        print(f"modes: {[m.name for m in base]} + {len(turn)} multi-turn modes on "
               f"{[f for f in FAMILIES if FAMILIES[f].turn_modes]}", file=sys.stderr)
     t0 = time.time()
     rows, warnings = evaluate_documents(model, docs, base, turn, batch_size=c.batch_size,
                                         engine=make_engine(model, [s.n for s in stated]),
-                                        progress=not c.quiet)
+                                        progress=not c.quiet, topk_read=stated_override(c.topk),
+                                        kv=stated_override(c.kv))
     elapsed = time.time() - t0
     run_info = {
         "checkpoint": str(c.checkpoint), "config": cfg.to_dict(),
         "settings": dataclasses.asdict(settings), "examples": c.examples,
-        "modes": base, "turn_modes": turn, "alpha": c.alpha, "seconds": elapsed,
+        "modes": [m.name for m in base], "turn_modes": [m.name for m in turn],
+        "alpha": c.alpha, "seconds": elapsed,
         "replays": {s.form: s.n for s in stated},
         "scoring": "teacher-forced exact match on the engine path (evals.modes.mode_logits)",
         "warnings": warnings,

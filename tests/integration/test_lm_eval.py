@@ -212,7 +212,8 @@ def test_every_family_through_lm_eval_agrees_with_the_suite_runner(checkpoint, m
     names = [f"ced_{f}" for f in FAMILIES] + [f"ced_{f}_gen" for f in FAMILIES]
     res = run_lm_eval(checkpoint, task_dir, names, replay=5)
     assert set(names) <= set(res["results"])
-    rows, _ = evaluate_documents(model, docs, ["full", "replay=5"], [], batch_size=8)
+    rows, _ = evaluate_documents(model, docs, [parse_mode("full"), parse_mode("replay=5")], [],
+                                 batch_size=8)
     runner = {(r["family"], r["x"], r["seed"]): r for r in rows if r["mode"] == "replay=5"}
     for family in FAMILIES:
         samples = res["samples"][f"ced_{family}"]
@@ -256,7 +257,8 @@ def test_multiturn_policy_through_lm_eval(checkpoint, model, tasks):
     res = run_lm_eval(checkpoint, task_dir, ["ced_multiturn_points"], turn=2,
                       policy="encoder_replay", replay=5)
     turn_docs = [d for d in docs if d["family"] == "multiturn"]
-    rows, _ = evaluate_documents(model, turn_docs, ["full"], [mode], batch_size=8)
+    rows, _ = evaluate_documents(model, turn_docs, [parse_mode("full")], [parse_mode(mode)],
+                                 batch_size=8)
     runner = {(r["x"], r["seed"]): r for r in rows if r["mode"] == mode}
     seen = 0
     for name, samples in res["samples"].items():

@@ -1,9 +1,10 @@
-"""A mode is data downstream: `evals.modes.mode_columns` writes a Mode as typed columns, and a
-label (an archive written before the columns existed) gives the same columns back through the
-mode module alone."""
+"""A mode is data downstream: `evals.modes.mode_columns` writes a Mode as typed columns, a label
+(an archive written before the columns existed) gives the same columns back through the mode
+module alone, and the suite writes them beside its labels."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import io
 import random
@@ -11,7 +12,9 @@ import random
 import pandas as pd
 import pytest
 
+from ced.checkpoint import save_model
 from ced.inference import POLICIES
+from conftest import make_model, tiny_config
 from evals.modes import (MODE_COLUMNS, label_columns, mode_columns, mode_from_columns,
                          mode_sort_keys, named_mode, parse_mode, replay_lengths,
                          with_mode_columns)
@@ -80,3 +83,35 @@ def test_sort_key_and_replay_length_read_the_columns():
     # a written column stands; a row without one (an older run in the same table) is filled
     mixed = pd.DataFrame({"mode": ["replay=4", "replay=8"], "replay_n": [3.0, float("nan")]})
     assert replay_lengths(mixed).tolist() == [3.0, 8.0]
+
+
+def test_the_suite_writes_the_columns_beside_each_label(tmp_path):
+    """W = 6, 2 decoder layers: R_exact = 11; a top-k and a KV override on the run."""
+    from evals.suites import SuiteConfig, run_suite
+    cfg = tiny_config(vocab_size=259, n_encoder_layers=2, n_decoder_layers=2, window=6,
+                      topk=3, global_from_layer=1, encoder_kv_groups=1, max_seq_len=256)
+    checkpoint = save_model(make_model(cfg, 0), tmp_path / "final")
+    out = tmp_path / "run"
+    run_suite(SuiteConfig(str(checkpoint), ["W/2", "W"], str(out), examples=1,
+                          families=["recall", "multiturn"], turns=[3], plot=False, wandb=False,
+                          quiet=True, topk="2", kv="window:fp8"))
+    header = next(csv.reader(open(out / "results.csv")))
+    assert [c for c in header if c not in MODE_COLUMNS or c in ("turn", "policy")] == [
+        "id", "family", "x_name", "x", "seed", "mode", "replay", "turn", "policy", "distance",
+        "length", "beyond_replay", "target", "prediction", "correct", "nll", "kl_answer",
+        "logit_diff", "chance"]                               # every earlier column, in order
+    for name in ("results", "summary"):
+        table = pd.read_csv(out / f"{name}.csv", dtype={"x": str})
+        assert set(MODE_COLUMNS) <= set(table.columns), name
+        written = with_mode_columns(table)
+        from_labels = with_mode_columns(table[["mode"]], r_exact=11, window=6)
+        columns = [c for c in MODE_COLUMNS if c not in ("topk_read", "kv")]
+        pd.testing.assert_frame_equal(written[columns], from_labels[columns])
+        assert set(written["topk_read"]) == {"2"} and set(written["kv"]) == {"window:fp8"}
+        by_label = written.drop_duplicates("mode").set_index("mode")
+        assert by_label.loc["replay=3", ["replay_given", "replay_n"]].tolist() == ["3", 3.0]
+        assert by_label.loc["replay=exact", "replay_n"] == 11.0
+        assert by_label.loc["full"][["replay_given", "replay_n", "turn"]].isna().all()
+        turn = by_label.loc["turn=3,policy=suffix_only,replay=6"]
+        assert (turn["turn"], turn["policy"], turn["encoder_replay"], turn["prefix_cache"]) == (
+            3.0, "suffix_only", "exact", 1.0)
