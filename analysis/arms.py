@@ -38,12 +38,15 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ced.records import DamagedRecord, read_json
-from evals.modes import mode_order, replay_of
+from evals.modes import mode_sort_keys
 from evals.suites.stats import (bootstrap_means, crossed_difference, hierarchical_bootstrap,
                                 percentile_interval, welch_p)
+
+from .per_model import replay_length_by_job
 
 FULL = "full"
 METRICS = ("accuracy", "drop", "kl_answer")
@@ -228,18 +231,19 @@ def arms_table(results: pd.DataFrame, pairs: list[tuple[str, str, str]], marks: 
             theirs = cells.get((after, family, mode, metric))
             if job != before or theirs is None:
                 continue
-            n_from = replay_of(mode, marks.get(before, {}).get("R_exact"))
-            n_to = replay_of(mode, marks.get(after, {}).get("R_exact"))
             rows.append({"from": before, "to": after, "differs": differs, "family": family,
-                         "mode": mode, "N": n_from if n_from == n_to else math.nan,
-                         "metric": metric, **compare_values(mine, theirs, resamples)})
+                         "mode": mode, "N": math.nan, "metric": metric,
+                         **compare_values(mine, theirs, resamples)})
     if not rows:
         return pd.DataFrame(columns=COLUMNS)
     table = pd.DataFrame(rows)
+    n_from = replay_length_by_job(table, marks, "from")
+    n_to = replay_length_by_job(table, marks, "to")
+    table["N"] = np.where(n_from == n_to, n_from, math.nan)   # NaN where the two jobs' N differ
     order = {p[:2]: i for i, p in enumerate(pairs)}
     table["_pair"] = [order[(a, b)] for a, b in zip(table["from"], table["to"])]
     table["_metric"] = table["metric"].map(METRICS.index)
-    table["_mode"] = table["mode"].map(mode_order)
+    table["_mode"] = mode_sort_keys(table)
     table = table.sort_values(["_pair", "family", "_metric", "_mode"], kind="stable")
     return table[COLUMNS + [c for c in table.columns if c not in COLUMNS
                             and not c.startswith("_")]].reset_index(drop=True)

@@ -60,10 +60,6 @@ from . import findings, publish, tables
 ARM_STYLE = {"no_sim": ("tab:red", "o"), "sim": ("tab:blue", "s")}
 
 
-def _mode_at(n: int) -> str:
-    return f"replay={n}"
-
-
 def depth_table(n_star: pd.DataFrame, drops: pd.DataFrame) -> pd.DataFrame:
     """Per job (see module doc), from `n_star.csv` and `model_drops.csv` of analysis.findings."""
     rows = []
@@ -108,7 +104,7 @@ def drop_at_w_table(capability: pd.DataFrame, marks: dict, traits: pd.DataFrame)
     rows = []
     for job, mark in marks.items():
         part = capability[(capability["job"] == job) & (capability["x"] == "all")
-                          & (capability["mode"] == _mode_at(mark["W"]))]
+                          & (capability["mode"] == tables.replay_label(mark["W"]))]
         rows.append(part)
     if not rows:
         return pd.DataFrame()
@@ -143,7 +139,8 @@ def arm_test_table(arms: pd.DataFrame, marks: dict, traits: pd.DataFrame) -> pd.
     pairs = set(arm_pairs(traits))
     if arms.empty or not pairs:
         return pd.DataFrame()
-    keep = [(a, b) in pairs and metric == "drop" and mode == _mode_at(marks.get(a, {}).get("W"))
+    keep = [(a, b) in pairs and metric == "drop"
+            and mode == tables.replay_label(marks.get(a, {}).get("W"))
             for a, b, metric, mode in zip(arms["from"], arms["to"], arms["metric"], arms["mode"])]
     table = arms[keep].rename(columns={"from": "no_sim", "to": "sim", "value_from": "drop_no_sim",
                                        "value_to": "drop_sim"})

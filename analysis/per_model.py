@@ -33,7 +33,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from evals.modes import replay_of
+from evals.modes import replay_lengths
 from evals.suites.stats import binomial_two_sided, clopper_pearson, holm
 
 FULL = "full"
@@ -49,6 +49,8 @@ def model_drops(results: pd.DataFrame, marks: dict, alpha: float = 0.05) -> pd.D
     "R_exact"} (`analysis.tables.geometry`). Columns: job, seed, family, mode, N, n, acc_full,
     competent, acc_mode, difference, full_only, mode_only, p_value, p_holm, kl_answer, fails.
     Multi-turn and other non-replay modes are left out (N undefined)."""
+    first = results.drop_duplicates(["job", "mode"])
+    lengths = dict(zip(zip(first["job"], first["mode"]), replay_length_by_job(first, marks)))
     rows = []
     for (job, seed, family), part in results.groupby(["job", "train_seed", "family"], sort=True):
         full = part[part["mode"] == FULL].set_index("id")["correct"].astype(bool)
@@ -56,7 +58,7 @@ def model_drops(results: pd.DataFrame, marks: dict, alpha: float = 0.05) -> pd.D
             continue
         acc_full = float(full.mean())
         for mode, cell in part[part["mode"] != FULL].groupby("mode", sort=False):
-            n_replay = replay_of(mode, marks.get(job, {}).get("R_exact"))
+            n_replay = lengths[(job, mode)]
             if math.isnan(n_replay):
                 continue
             mine = cell.set_index("id")["correct"].astype(bool)
@@ -84,6 +86,20 @@ def model_drops(results: pd.DataFrame, marks: dict, alpha: float = 0.05) -> pd.D
         table[f"fails{suffix}"] = (table["competent"] & (table[f"p_holm{suffix}"] < alpha)
                                    & (table[f"difference{suffix}"] < -FAIL_MIN_DROP))
     return table.sort_values(["job", "seed", "family", "N"], kind="stable").reset_index(drop=True)
+
+
+def by_job(frame: pd.DataFrame, marks: dict, key: str, job: str = "job") -> list:
+    """Per row of `frame`, `key` ("W" or "R_exact") of its job (column `job`) in `marks`
+    (`analysis.tables.geometry`); None where unknown."""
+    return [marks.get(name, {}).get(key) for name in frame[job]]
+
+
+def replay_length_by_job(frame: pd.DataFrame, marks: dict, job: str = "job") -> np.ndarray:
+    """Per row of `frame` (with a `mode` label and, where written, its columns), N of its
+    single-turn replay mode on its job's model (`evals.modes.replay_lengths`, R_exact and W
+    from `marks`); NaN for `full`, a new turn, and anything that is not a replay mode."""
+    return replay_lengths(frame, by_job(frame, marks, "R_exact", job),
+                          by_job(frame, marks, "W", job)).to_numpy()
 
 
 def _paired(ref: pd.Series, mine: pd.Series, suffix: str = "") -> dict:

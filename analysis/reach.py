@@ -51,12 +51,11 @@ from matplotlib.figure import Figure
 
 from evals.cli import list_written
 from evals.erf import erf_shares
-from evals.modes import replay_of
 from evals.plots import save
 from evals.suites.stats import binomial_two_sided, clopper_pearson, welch_p
 
 from . import findings, publish, tables
-from .per_model import COMPETENT, FAIL_MIN_DROP, STAR_MAX_DROP
+from .per_model import COMPETENT, FAIL_MIN_DROP, STAR_MAX_DROP, replay_length_by_job
 
 RUNNING = ("running_count", "running_bracket")
 RECALL = "recall"
@@ -71,8 +70,7 @@ def paired_outcomes(results: pd.DataFrame, marks: dict,
     full = part[part["mode"] == FULL][["job", "train_seed", "family", "id", "x", "correct"]]
     full = full.rename(columns={"correct": "full"})
     rows = part[part["mode"] != FULL].copy()
-    rows["N"] = [replay_of(m, marks.get(j, {}).get("R_exact"))
-                 for j, m in zip(rows["job"], rows["mode"])]
+    rows["N"] = replay_length_by_job(rows, marks)
     rows = rows[rows["N"].notna()]
     rows = rows.merge(full, on=["job", "train_seed", "family", "id", "x"], how="inner")
     out = pd.DataFrame({"job": rows["job"], "seed": rows["train_seed"].astype(int),

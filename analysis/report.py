@@ -36,6 +36,7 @@ import pandas as pd
 from ced.records import DamagedRecord, read_json
 from ced.tracking import checkpoint_label
 from evals import plots as tool_plots
+from evals.modes import label_columns, mode_from_columns, with_mode_columns
 
 from . import plots
 from .arms import arms_table, job_pairs
@@ -169,14 +170,18 @@ def suite_prompt_length(study: Path, label: str) -> int | None:
 
 
 def mode_replay(mode: str):
-    """A suite/divergence mode string -> the `replay` argument of ced.cost.prefill_flops, or
-    False for modes the frontier does not price (multi-turn)."""
-    from evals.modes import parse_mode
-    try:
-        parsed = parse_mode(mode)
-    except ValueError:      # not a mode of evals.modes (e.g. divergence's yoco_early_exit)
-        return False
-    return False if parsed.turn is not None else parsed.replay
+    """A suite/divergence mode label -> the `replay` argument of ced.cost.prefill_flops, or
+    False for modes the frontier does not price (multi-turn) and labels that are not modes
+    (e.g. divergence's yoco_early_exit)."""
+    return replay_argument(label_columns(mode) or {}, mode)
+
+
+def replay_argument(columns, label: str):
+    """The `replay` argument of ced.cost.prefill_flops for a mode given by its columns (a row
+    of `evals.modes.with_mode_columns`) and its label, or False for a new turn and a label
+    that is not a mode."""
+    mode = mode_from_columns(columns, label)
+    return False if mode is None or mode.turn is not None else mode.replay
 
 
 def cost_table(study: Path, runs: dict, suite: pd.DataFrame, info: dict) -> pd.DataFrame:
@@ -199,8 +204,8 @@ def cost_table(study: Path, runs: dict, suite: pd.DataFrame, info: dict) -> pd.D
                              if k in ModelConfig.__dataclass_fields__})
         length = common or cfg.window * 4
         full = prefill_flops(cfg, length, None).total
-        for mode, cells in part.groupby("mode", sort=False):
-            replay = mode_replay(mode)
+        for mode, cells in with_mode_columns(part).groupby("mode", sort=False):
+            replay = replay_argument(cells.iloc[0], mode)
             if replay is False:
                 continue
             try:
@@ -274,7 +279,7 @@ def job_of_label(label: str) -> str:
 
 def pooled_single_turn(suite: pd.DataFrame) -> pd.DataFrame:
     """The suite's accuracy rows pooled over x (x = "all") of single-turn modes."""
-    return suite[(suite["x"].astype(str) == "all") & ~suite["mode"].str.contains("turn=")]
+    return suite[(suite["x"].astype(str) == "all") & with_mode_columns(suite)["turn"].isna()]
 
 
 def pooled_accuracy(suite: pd.DataFrame) -> pd.DataFrame:
@@ -319,9 +324,10 @@ def headline_points(suite: pd.DataFrame, info: dict) -> tuple[pd.DataFrame, dict
     single-turn mode, the pooled accuracy at its replay length N (`replay=exact` at R_exact,
     NaN for `full`); and per job its window W and R_exact."""
     rows, marks = [], {}
-    for rec in (pooled_single_turn(suite).to_dict("records") if not suite.empty else []):
+    pooled = with_mode_columns(pooled_single_turn(suite)) if not suite.empty else suite
+    for rec in pooled.to_dict("records"):
         settings = info[rec["label"]]["settings"]
-        replay = mode_replay(rec["mode"])
+        replay = replay_argument(rec, rec["mode"])
         if replay is False:
             continue
         n = settings.get("r_exact") if replay == "exact" else replay
@@ -349,7 +355,9 @@ def headline_summary(points: pd.DataFrame, marks: dict, div_tab: pd.DataFrame,
                      f"{part['run'].nunique()} seed(s)): full {full:.2f}{steps}.")
         lines.append(competence_line(job, part))
     if not div_tab.empty and "kl" in div_tab:
-        bounded = div_tab[div_tab["mode"].str.match(r"replay=\d+$")]
+        modes = with_mode_columns(div_tab)
+        bounded = div_tab[modes["turn"].isna() & modes["replay_n"].notna()
+                          & (modes["replay_given"] != "exact")]
         for job, part in bounded.groupby(bounded["job"].map(job_of_label), sort=False):
             smallest = part[part["N"] == part["N"].min()]
             lines.append(f"{job}: first-token KL(exact || replay N={int(smallest['N'].iloc[0])})"

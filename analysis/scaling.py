@@ -43,7 +43,7 @@ from ced.checkpoint import load_config
 from ced.config import exact_replay_length
 
 from . import plots
-from .tables import FULL, load_results, paired_difference
+from .tables import FULL, load_results, paired_difference, replay_label
 
 METRICS = ("kl_first", "kl_answer")
 
@@ -82,7 +82,7 @@ def points(study: Path, marks: dict[str, dict]) -> pd.DataFrame:
             match = re.search(r"/runs/([^/]+)/seed(\d+)/", str(checkpoint))
             if match is None or match[1] not in marks:
                 continue
-            at_w = part[part["mode"] == f"replay={marks[match[1]]['W']}"]["value"]
+            at_w = part[part["mode"] == replay_label(marks[match[1]]["W"])]["value"]
             if len(at_w):
                 row(match[1], int(match[2]))["kl_first"] = float(at_w.mean())
     try:
@@ -93,7 +93,7 @@ def points(study: Path, marks: dict[str, dict]) -> pd.DataFrame:
                               else []):
         if job not in marks:
             continue
-        mode = f"replay={marks[job]['W']}"
+        mode = replay_label(marks[job]["W"])
         full = part[part["mode"] == FULL].set_index(["family", "id"])["correct"].astype(bool)
         mine = part[part["mode"] == mode].set_index(["family", "id"])
         if mine.empty:

@@ -31,11 +31,13 @@ import pandas as pd
 
 from ced.records import DamagedRecord, read_json
 from ced.tracking import job_and_seed
-from evals.modes import mode_order, parse_mode, promises_exact, replay_of
+from evals.modes import (mode_from_columns, mode_sort_keys, named_mode, promises_exact,
+                         with_mode_columns)
 from evals.suites.stats import (binomial_two_sided, crossed_bootstrap, hierarchical_bootstrap,
                                 holm, percentile_interval, seed_t_test, wilson_interval)
 
 from . import per_model
+from .per_model import by_job, replay_length_by_job
 from .archive import CELLS, OUTCOMES, expand_cells
 
 FULL = "full"
@@ -124,10 +126,11 @@ def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def _sorted(table: pd.DataFrame, keys: tuple = ("job", "family", "x")) -> pd.DataFrame:
-    """Rows by job, family, x (numeric, `all` last) and mode (`mode_order`)."""
+    """Rows by job, family, x (numeric, `all` last) and mode (`evals.modes.mode_sort_keys`)."""
     if table.empty:
         return table
-    order = {"x": lambda c: c.map(_x_order), "mode": lambda c: c.map(mode_order)}
+    mode_keys = mode_sort_keys(table)
+    order = {"x": lambda c: c.map(_x_order), "mode": lambda c: mode_keys}
     return table.sort_values([*keys, "mode"], kind="stable",
                              key=lambda c: order[c.name](c) if c.name in order else c
                              ).reset_index(drop=True)
@@ -264,12 +267,13 @@ def exact_mode_check(drops: pd.DataFrame, marks: dict) -> pd.DataFrame:
     (or R_exact is unknown)."""
     if drops.empty:
         return drops
+    pooled = drops[drops["x"] == "all"]
+    modes = with_mode_columns(pooled, by_job(pooled, marks, "R_exact"), by_job(pooled, marks, "W"))
     rows = []
-    for _, row in drops[drops["x"] == "all"].iterrows():
+    for (_, row), (_, columns) in zip(pooled.iterrows(), modes.iterrows()):
         r_exact = marks.get(row["job"], {}).get("R_exact")
-        try:
-            mode = parse_mode(row["mode"])
-        except ValueError:
+        mode = mode_from_columns(columns, row["mode"])
+        if mode is None:
             continue
         if r_exact and promises_exact(mode, int(r_exact)) and row["full_only"] + row["mode_only"]:
             rows.append(row)
@@ -486,13 +490,17 @@ def per_model_tables(results: pd.DataFrame, study: Path, marks: dict,
             "n_star": star}
 
 
+def replay_label(n: int | None) -> str | None:
+    """The label of the single-turn replay of N = n (`evals.modes.named_mode`), to pick a
+    table's rows at that N; None where n is not known."""
+    return None if n is None else named_mode(replay=n).name
+
+
 def with_replay_length(table: pd.DataFrame, marks: dict) -> pd.DataFrame:
     """`table` (with job and mode columns) plus N, the replay length of each row's mode."""
     if table.empty:
         return table.assign(N=[])
-    n = [replay_of(mode, marks.get(job, {}).get("R_exact"))
-         for job, mode in zip(table["job"], table["mode"])]
-    return table.assign(N=n)
+    return table.assign(N=replay_length_by_job(table, marks))
 
 
 def seed_t_table(drops: pd.DataFrame) -> pd.DataFrame:

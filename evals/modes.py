@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -198,31 +197,6 @@ def promises_exact(mode: Mode, r_exact: int) -> bool:
     if mode.policy == "encoder_replay":
         return mode.encoder_replay == "exact"
     return n <= mode.turn          # suffix_only: exact only if the replay is inside the turn
-
-
-def mode_order(mode: str) -> tuple:
-    """A sort key for mode strings: full, then replay=N by N, then replay=exact, then the rest
-    by name."""
-    match = re.fullmatch(r"replay=(\d+)", mode)
-    if mode == "full":
-        return (0, 0, "")
-    if match:
-        return (1, int(match.group(1)), "")
-    return (2, 0, "") if mode == "replay=exact" else (3, 0, mode)
-
-
-def replay_of(mode: str, r_exact: int | None) -> float:
-    """N of a single-turn replay mode string (`replay=exact`: R_exact); NaN for `full`,
-    multi-turn and anything else."""
-    try:
-        parsed = parse_mode(mode)
-    except ValueError:
-        return math.nan
-    if parsed.turn is not None or parsed.replay is None:
-        return math.nan
-    if parsed.replay == "exact":
-        return float(r_exact) if r_exact else math.nan
-    return float(parsed.replay)
 
 
 # ---- a mode as typed columns -----------------------------------------------------------------

@@ -25,6 +25,8 @@ from typing import Iterable, Mapping, Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
+from evals.modes import with_mode_columns
+
 FULL = "full"
 DIVERGENCE_METRICS = {"kl": "KL(exact || replay N), first token",
                       "top1_agree": "top-1 agreement with exact"}
@@ -73,7 +75,8 @@ def divergence_figure(summary: pd.DataFrame | Sequence[Mapping],
     table = pd.DataFrame(summary)
     if table.empty:
         return None
-    rep = table[table["mode"].str.startswith("replay=") & (table["step"] == 0)]
+    modes = with_mode_columns(table)
+    rep = table[modes["replay_given"].notna() & modes["turn"].isna() & (table["step"] == 0)]
     if rep.empty:
         return None
     rep = rep.assign(run=rep["checkpoint"].map(checkpoint_label))
@@ -152,7 +155,10 @@ def accuracy_figure(summary: pd.DataFrame | Sequence[Mapping], *, replays: Seque
     summary: evals.suites' summary rows (columns family, x_name, x, mode, accuracy, ci_low,
     ci_high, chance); rows pooled over x (x = "all") are skipped. replays, window, r_exact: the
     run's settings (SuiteSettings, or its `settings` in summary.json). None if nothing is left."""
-    cells = [dict(s) for s in pd.DataFrame(summary).to_dict("records") if str(s["x"]) != "all"]
+    table = pd.DataFrame(summary)
+    if table.empty:
+        return None
+    cells = [s for s in with_mode_columns(table).to_dict("records") if str(s["x"]) != "all"]
     families = list(dict.fromkeys(s["family"] for s in cells))[:max_families]
     if not families:
         return None
@@ -175,18 +181,19 @@ def accuracy_figure(summary: pd.DataFrame | Sequence[Mapping], *, replays: Seque
     return fig
 
 
-def _mode_style(mode: str, index: int, colors: Mapping[int, str]) -> dict:
+def _mode_style(cell: Mapping, index: int, colors: Mapping[int, str]) -> dict:
+    """A mode's line, from a summary row with the mode's columns (`with_mode_columns`)."""
     from ced.inference import POLICIES
-    from evals.modes import parse_mode
-    parsed = parse_mode(mode)
-    if mode == FULL:
+    if cell["mode"] == FULL:
         return dict(color="black", lw=2.2, marker="o", zorder=5)
-    if parsed.replay == "exact" and parsed.turn is None:
+    if cell["replay_given"] == "exact" and math.isnan(cell["turn"]):
         return dict(color="0.5", lw=1.5, ls="--", marker="s")
-    if parsed.turn is None:
-        return dict(color=colors.get(parsed.replay, "C9"), lw=1.6, marker="^")
+    if math.isnan(cell["turn"]):
+        n = cell["replay_n"]
+        return dict(color="C9" if math.isnan(n) else colors.get(int(n), "C9"), lw=1.6,
+                    marker="^")
     return dict(color=f"C{index % 10}", lw=1.0, marker=".",
-                ls=[":", "-.", "--", "-"][POLICIES.index(parsed.policy) % 4])
+                ls=[":", "-.", "--", "-"][POLICIES.index(cell["policy"]) % 4])
 
 
 def _accuracy_panel(ax, cells: list[dict], colors: Mapping[int, str]) -> bool:
@@ -197,9 +204,9 @@ def _accuracy_panel(ax, cells: list[dict], colors: Mapping[int, str]) -> bool:
     for i, mode in enumerate(modes):
         pts = sorted((s for s in cells if s["mode"] == mode), key=lambda s: float(s["x"]))
         xs = [float(s["x"]) for s in pts]
-        style = _mode_style(mode, i, colors)
+        style = _mode_style(pts[0], i, colors)
         ax.plot(xs, [s["accuracy"] for s in pts], label=mode, **style)
-        if not many or "turn=" not in mode:
+        if not many or math.isnan(pts[0]["turn"]):
             ax.fill_between(xs, [s["ci_low"] for s in pts], [s["ci_high"] for s in pts],
                             color=style["color"], alpha=0.08)
     chance = [s["chance"] for s in cells if s.get("chance") not in ("", None)

@@ -1,6 +1,7 @@
 """A mode is data downstream: `evals.modes.mode_columns` writes a Mode as typed columns, a label
 (an archive written before the columns existed) gives the same columns back through the mode
-module alone, and the suite writes them beside its labels."""
+module alone, the suite writes them beside its labels, and no tool outside the mode module
+parses a mode string."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import csv
 import dataclasses
 import io
 import random
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -19,6 +22,7 @@ from evals.modes import (MODE_COLUMNS, label_columns, mode_columns, mode_from_co
                          mode_sort_keys, named_mode, parse_mode, replay_lengths,
                          with_mode_columns)
 
+ROOT = Path(__file__).resolve().parents[2]
 FORMS = [1, 3, 8, 16, 40, "exact", "W", "W/2", "2W", "3W/2"]
 
 
@@ -83,6 +87,30 @@ def test_sort_key_and_replay_length_read_the_columns():
     # a written column stands; a row without one (an older run in the same table) is filled
     mixed = pd.DataFrame({"mode": ["replay=4", "replay=8"], "replay_n": [3.0, float("nan")]})
     assert replay_lengths(mixed).tolist() == [3.0, 8.0]
+
+
+# Files under evals/, analysis/ and experiments/ that may parse a mode string, and why.
+PARSE_ALLOWED = {
+    "evals/lmeval/model.py": "user input: the mode written in lm-eval's model_args",
+    "evals/divergence.py": "to be removed: it builds mode strings and parses them back "
+                           "(another change is editing the file); it should build Mode values "
+                           "with evals.modes.named_mode",
+}
+PARSERS = re.compile(r"\b(parse_mode|replay_of|mode_order|_replay_value)\b")
+
+
+def test_no_tool_parses_a_mode_string_outside_the_mode_module():
+    found = []
+    for folder in ("evals", "analysis", "experiments"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name = path.relative_to(ROOT).as_posix()
+            if name == "evals/modes.py" or name in PARSE_ALLOWED:
+                continue
+            found += [f"{name}:{i}: {line.strip()}"
+                      for i, line in enumerate(path.read_text().splitlines(), 1)
+                      if PARSERS.search(line)]
+    assert not found, ("a mode is parsed outside evals/modes.py; read its columns "
+                       "(evals.modes.with_mode_columns) instead:\n" + "\n".join(found))
 
 
 def test_the_suite_writes_the_columns_beside_each_label(tmp_path):
