@@ -68,7 +68,7 @@ import ced.train as trainer  # noqa: E402
 from ced.cli.train import compose_config  # noqa: E402
 from ced.cost import forward_flops  # noqa: E402
 from ced.train_config import TrainConfig  # noqa: E402
-from evals.modes import mode_logits, parse_mode  # noqa: E402
+from evals.modes import mode_logits, named_mode  # noqa: E402
 from evals.suites.families import SuiteSettings, build_documents, prompt_ids, target_ids  # noqa: E402
 from evals.suites.runner import make_engine  # noqa: E402
 from experiments.study import load_study  # noqa: E402
@@ -157,7 +157,7 @@ def make_eval(run, batch: tuple[torch.Tensor, torch.Tensor] | None, rows: torch.
     gradients, the model put back in training mode after it."""
     model = run.accelerator.unwrap_model(run.model)
     engine = make_engine(model) if batch is not None else None
-    full = parse_mode("full")
+    full = named_mode()
 
     def forward() -> None:
         model.eval()

@@ -43,7 +43,7 @@ from ced.records import write_json
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import OutputDirError, check_hydra_output, check_output_dir
 
-from .modes import Mode, mode_generate, mode_logits, parse_mode
+from .modes import Mode, mode_generate, mode_logits, named_mode
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -116,8 +116,8 @@ def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
     if not cfg.has_decoder:
         return []
     exact = exact_replay_length(cfg)
-    modes = [(parse_mode(f"replay={n}"), n) for n in replays_for(cfg, c)]
-    modes.append((parse_mode("replay=exact"), exact))
+    modes = [(named_mode(replay=n, short=True), n) for n in replays_for(cfg, c)]
+    modes.append((named_mode(replay="exact", short=True), exact))
     if cfg.traits.exact_early_exit:
         modes.append((Mode("yoco_early_exit", replay=1), 1))
     turn_n = c.turn_replay or cfg.window
@@ -125,14 +125,13 @@ def modes_for(cfg, c: DivergenceConfig) -> list[tuple[Mode, int]]:
         # Prefix-cache policies replay the encoder exactly (isolating the decoder policy),
         # except encoder_replay, whose point is to take H_{L_e} from a bounded encoder replay
         # over the N positions the decoder needs.
-        text = f"turn={c.turn_tokens},policy={policy},replay={turn_n}"
-        if policy == "encoder_replay":
-            text += f",encoder_replay={turn_n}"
-        modes.append((parse_mode(text), turn_n))
+        encoder = turn_n if policy == "encoder_replay" else None
+        modes.append((named_mode(replay=turn_n, turn=c.turn_tokens, policy=policy,
+                                 encoder_replay=encoder, short=True), turn_n))
     for value in sorted({s.n for s in stated_replays(cfg, c)["encoder_replays"]}):
         # cached_hidden with exact decoder replay isolates the encoder's approximation.
-        modes.append((parse_mode(f"turn={c.turn_tokens},policy=cached_hidden,replay=exact,"
-                                 f"encoder_replay={value}"), exact))
+        modes.append((named_mode(replay="exact", turn=c.turn_tokens, policy="cached_hidden",
+                                 encoder_replay=value, short=True), exact))
     return modes
 
 

@@ -57,6 +57,7 @@ from ced.tracking import job_and_seed
 
 from . import plots
 from .cli import option
+from .modes import replay_lengths
 
 SHARES = (0.99, 0.999)
 # every file `run` writes into --out
@@ -373,10 +374,12 @@ def write_outputs(table: pd.DataFrame, geometry: dict, settings: dict, out: Path
 def _divergence_curve(path: Path) -> pd.DataFrame:
     """First-token KL against N per job from an evals.divergence table (csv or parquet)."""
     table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    table = table[(table["metric"] == "kl") & (table["step"] == 0)
-                  & table["mode"].str.fullmatch(r"replay=\d+")]
+    # N of each single-turn replay written as a number (divergence writes resolved lengths);
+    # replay=exact, full and the multi-turn modes have none (no R_exact is given here)
+    table = table.assign(N=replay_lengths(table))
+    table = table[(table["metric"] == "kl") & (table["step"] == 0) & table["N"].notna()]
     table = table.assign(job=table["checkpoint"].map(lambda c: job_of(Path(c))),
-                         N=table["mode"].str.slice(7).astype(int))
+                         N=table["N"].astype(int))
     return table.groupby(["job", "N"], as_index=False)["value"].mean()
 
 

@@ -160,3 +160,29 @@ def test_cli_refuses_a_model_without_decoder_windows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path / "yoco"), "--out", str(tmp_path / "o"),
               "--params", "[1]"])
+
+
+def test_divergence_reference_reads_single_turn_numeric_replays_only(tmp_path):
+    """The KL-against-N reference an erf run draws beside its curve: per job, the step-0 KL of
+    every single-turn replay of a given length; replay=exact, full, the multi-turn modes and
+    the other metrics and steps stay out (they have no N of that kind)."""
+    from evals.erf import _divergence_curve
+    rng = np.random.default_rng(0)
+    modes = ["replay=1", "replay=4", "replay=15", "replay=exact", "full",
+             "turn=4,policy=suffix_only,replay=8",
+             "turn=4,policy=cached_hidden,replay=exact,encoder_replay=8"]
+    rows = [{"checkpoint": f"/s/runs/{job}/seed{seed}/final", "mode": mode, "metric": metric,
+             "step": step, "value": float(rng.random())}
+            for job, seed in (("a", 0), ("a", 1), ("b", 0)) for mode in modes
+            for metric in ("kl", "top1") for step in (0, 1)]
+    path = tmp_path / "divergence.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    curve = _divergence_curve(path)
+    assert sorted(curve["job"].unique()) == ["a", "b"]
+    assert sorted(curve["N"].unique()) == [1, 4, 15]
+    table = pd.DataFrame(rows)
+    expect = table[(table["metric"] == "kl") & (table["step"] == 0)
+                   & (table["mode"] == "replay=4")
+                   & table["checkpoint"].str.contains("/a/")]["value"].mean()
+    got = curve[(curve["job"] == "a") & (curve["N"] == 4)]["value"].item()
+    assert got == pytest.approx(expect, abs=1e-12)       # the mean over a's two seeds

@@ -92,9 +92,6 @@ def test_sort_key_and_replay_length_read_the_columns():
 # Files under evals/, analysis/ and experiments/ that may parse a mode string, and why.
 PARSE_ALLOWED = {
     "evals/lmeval/model.py": "user input: the mode written in lm-eval's model_args",
-    "evals/divergence.py": "to be removed: it builds mode strings and parses them back "
-                           "(another change is editing the file); it should build Mode values "
-                           "with evals.modes.named_mode",
 }
 PARSERS = re.compile(r"\b(parse_mode|replay_of|mode_order|_replay_value)\b")
 
