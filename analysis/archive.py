@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 
 from evals.erf import erf_shares
+from evals.modes import MODE_COLUMNS
 
 CELLS = "cells.csv"
 OUTCOMES = "outcomes.csv.gz"
@@ -109,7 +110,10 @@ def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
         table = pd.read_csv(results, dtype={"x": str, "target": str, "prediction": str},
                             low_memory=False)
         cells_of(table).to_csv(target / CELLS, index=False, float_format="%.6g")
-        outcomes = table[[c for c in OUTCOME_COLUMNS if c in table]].assign(
+        # a mode's typed columns where the suite wrote them (evals.modes.MODE_COLUMNS), so the
+        # archive's readers need not recover them from the label
+        kept = [c for c in (*OUTCOME_COLUMNS, *MODE_COLUMNS) if c in table]
+        outcomes = table[kept].assign(
             correct=table["correct"].astype(bool).astype(int))
         outcomes.to_csv(target / OUTCOMES, index=False, float_format="%.6g")
         # the suite run's identity and settings, not its tables (the cells hold those)

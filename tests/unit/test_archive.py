@@ -128,3 +128,24 @@ def test_weights_are_kept_only_when_asked_and_read_back(tmp_path):
     ids = torch.randint(0, 200, (2, 24))
     assert torch.equal(back(ids), model.eval()(ids))
     assert (kept / "runs" / "L2" / "seed0" / "metrics.jsonl").read_text().startswith('{"step"')
+
+
+def test_the_archive_keeps_the_suites_mode_columns(tmp_path):
+    """A suite that wrote a mode's typed columns (evals.modes.MODE_COLUMNS) is archived with
+    them, and they read back equal to what the mode module recovers from the labels alone (an
+    archive written before the columns existed)."""
+    from evals.modes import MODE_COLUMNS, label_columns, with_mode_columns
+    study, into = tmp_path / "study", tmp_path / "archive"
+    write_study(study, [("L2", 0)])
+    results = study / "suite" / "L2" / "seed0" / "results.csv"
+    table = pd.read_csv(results, dtype={"x": str})
+    columns = pd.DataFrame([label_columns(m, 15, 8) for m in table["mode"]])
+    pd.concat([table, columns], axis=1).to_csv(results, index=False)
+    archive(study, into)
+    kept = pd.read_csv(next(into.rglob(OUTCOMES)))
+    assert set(MODE_COLUMNS) <= set(kept.columns)
+    from_columns = with_mode_columns(kept, 15, 8)
+    from_labels = with_mode_columns(kept[["mode"]], 15, 8)
+    for name in MODE_COLUMNS:
+        pd.testing.assert_series_equal(from_columns[name], from_labels[name], check_names=False)
+    assert sorted(from_columns["replay_n"].dropna().unique()) == [4, 8, 15]   # exact: R_exact
