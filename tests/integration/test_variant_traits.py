@@ -74,14 +74,15 @@ def test_load_config_reads_a_directory_or_its_json(tmp_path):
 
 
 def test_study_driver_reads_configs_through_load_config(tmp_path):
-    """experiments.run resolves replay lengths from the first checkpoint with a decoder."""
-    from experiments.evaluations import resolve_lengths
-    from experiments.run import Study
+    """The study driver resolves replay lengths from the first checkpoint with a decoder."""
+    from experiments.evaluations import reference_config
+    from experiments.sections import resolve_lengths
     dense = save_model(make_model(tiny_config("dense"), 0), tmp_path / "dense")
     ced = save_model(make_model(tiny_config("ced", window=8), 0), tmp_path / "ced")
-    reference = Study._reference_config(None, {"d": (dense, "h0"), "c": (ced, "h1")})
+    reference = reference_config([load_config(dense), load_config(ced)])
     assert reference == load_config(ced)
-    assert Study._reference_config(None, {"d": (dense, "h0")}) == load_config(dense)
+    assert reference_config([load_config(dense)]) == load_config(dense)
+    assert reference_config([]) is None
     assert resolve_lengths(["W/2", "R_exact"], reference) == [4, 15]
     # A config.json read as a dict resolves alike.
     raw = json.loads((ced / "config.json").read_text())
