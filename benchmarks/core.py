@@ -8,7 +8,7 @@ decoder_reindex_every 4).
 
 1. Training throughput: forward + backward tokens/s of dense and of ced (loss = next-token
    cross-entropy, plus the indexer KL for ced), 1 warm-up step then the median of the timed
-   steps. Target (project issue): ced >= 0.7x dense.
+   steps. Target: ced >= 0.7x dense.
 2. Prefill wall time of the ced model at T = 2048 with `InferenceEngine.prefill`: full
    (replay=None), early exit with replay = window (64), and early exit with the exact replay
    length. Target: replay = window <= 0.6x the full prefill time (the layer-matmul FLOP ratio

@@ -13,8 +13,8 @@ after the warm-up rounds the median of `--steps` rounds is reported as tokens/s,
 to the GPT as the median over rounds of the paired ratio (GPT step time / model step time in
 the same round; the JSON also keeps the ratio of the two medians). Beside it, the analytic
 matmul FLOPs of each model's forward (ced.cost; the GPT's own count), so the table says how
-much of a ratio is work the model does and how much is the rate it does it at. Targets (issue
-35, against the work each variant does): dense, yoco, ced and ced_mq run their executed
+much of a ratio is work the model does and how much is the rate it does it at. Targets
+(against the work each variant does): dense, yoco, ced and ced_mq run their executed
 forward FLOPs at >= 0.9 of the GPT's FLOP rate at both shapes (`rate_vs_gpt`: tokens/s ratio
 over executed-FLOP ratio; their ideal FLOP ratio to the GPT is about 1); swa >= 1.3x the
 GPT's tokens/s at T = 2048, where its windows skip most of the GPT's attention.

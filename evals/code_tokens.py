@@ -37,7 +37,7 @@ import numpy as np
 
 CLASSES = ("identifier_far", "identifier_far_in_replay", "identifier_near",
            "closer_before_replay", "closer_in_replay", "evidence_outside_row", "other")
-# The three the issue asks for, and the classes each is made of.
+# The three groups the real-text tables report, and the classes each is made of.
 GROUPS = {"identifier_far": ("identifier_far",),
           "closer_before_replay": ("closer_before_replay",),
           "other": ("identifier_far_in_replay", "identifier_near", "closer_in_replay",
@@ -203,7 +203,7 @@ def classify(ann: Annotation, positions: np.ndarray, replay_start: int | np.ndar
 
 
 def group_of(name: str) -> str:
-    """The issue's three-way class of a CLASSES name."""
+    """The three-way group of a CLASSES name."""
     for group, members in GROUPS.items():
         if name in members:
             return group

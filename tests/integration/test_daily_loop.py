@@ -1,4 +1,4 @@
-"""Issue 37: the researcher's daily loop, through the real entry points in subprocesses.
+"""The researcher's daily loop, through the real entry points in subprocesses.
 
 A study checks every job's config before anything trains (and in `only=plan`); a run resumes
 from its own config.yaml with nothing but `train.resume=auto hydra.run.dir=<run>`; a run ends

@@ -1,4 +1,4 @@
-"""Issue 11, class 4: the engine checks its inputs up front (clear one-line ValueErrors for ids
+"""The engine checks its inputs up front (clear one-line ValueErrors for ids
 outside [0, vocab), float or bool dtypes, a batch size other than the cache's), and every call
 is all-or-nothing on the cache: a call that fails leaves the cache bitwise as it was, so the
 next call computes what it would have computed had the failed call never happened."""

@@ -1,4 +1,4 @@
-"""Issue 11, class 5: evaluation arguments. A misspelt lm-eval `model_args` key, a bad mode
+"""Evaluation arguments. A misspelt lm-eval `model_args` key, a bad mode
 string, and a missing or damaged checkpoint given to lm-eval, `evals.divergence` or
 `evals.suites` are errors in one line naming the key or the path (never a warning followed by
 a run of the wrong mode, never a traceback)."""

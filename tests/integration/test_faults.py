@@ -1,4 +1,4 @@
-"""Issue 36: nothing lost on a shared cluster. A full disk during a checkpoint write, a changed
+"""Nothing lost on a shared cluster. A full disk during a checkpoint write, a changed
 config at resume, two writers on one run directory, pre-emption (SIGTERM) and Ctrl-C (SIGINT):
 each ends in one line, an exit code that says whether the run finished, and a run directory
 whose last good checkpoint is untouched and resumable.

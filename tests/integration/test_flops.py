@@ -1,7 +1,7 @@
 """The cost model against the real model and engine at small scale:
   * analytic FLOPs (counting="executed") against torch.utils.flop_counter.FlopCounterMode, per
     inference mode: prefill full, early exit with replay N, exact replay, decode steps after
-    each, and the parallel forward. The issue asks for agreement within 5%; the executed count
+    each, and the parallel forward. The contract asks for agreement within 5%; the executed count
     mirrors the model's matmuls one for one, so it is asserted exact (and the message shows the
     relative error), which also makes the test fail on any missed or extra matmul;
   * analytic cache bytes (`engine_cache_bytes`) equal to `Cache.nbytes()` exactly, every key,
@@ -19,7 +19,7 @@ from ced.cost import engine_cache_bytes, engine_flops, forward_flops, prefill_fl
 from ced.attention import attention_kernel
 from tests.conftest import make_model, tiny_config
 
-TOLERANCE = 0.05     # the issue's bound; the executed count is in fact exact
+TOLERANCE = 0.05     # the agreement asked for; the executed count is in fact exact
 
 CONFIGS = {
     "ced": tiny_config("ced"),

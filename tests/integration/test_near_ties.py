@@ -1,4 +1,4 @@
-"""Issue 11, class 6: exactness under near-ties. Where the same indexer score arises twice (a
+"""Exactness under near-ties. Where the same indexer score arises twice (a
 repeated token with a window of 1, a repeated substring longer than the receptive field), the
 parallel forward and the engine compute it with different kernels and the last bits differ.
 `ced.semantics.select_entries` rounds the scores (`round_scores`) before the top-k, so both paths

@@ -1,4 +1,4 @@
-"""Issue 11, the training side: nothing lost, nothing silently wrong.
+"""The training side: nothing lost, nothing silently wrong.
 
 Class 1: a run directory that already holds a run is refused (and left untouched) unless the
 run continues it (`train.resume=auto`) or replaces it (`train.overwrite=true`).
