@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -175,6 +175,19 @@ def parse_mode(text: str) -> Mode:
                 prefix_cache=prefix_cache)
 
 
+# When a new turn under each multi-turn policy (ced.inference.POLICIES) is exact, given the mode
+# and its decoder replay n >= R_exact (docs/semantics.md 4.3): a policy that rebuilds every
+# prefix H_{L_e} its decoder reads is exact when its encoder replay is; suffix_only only when
+# the replay lies inside the turn. One rule per policy: tests/unit/test_mode_columns.py fails
+# while a policy in POLICIES has none, rather than letting it borrow another's.
+POLICY_EXACT: dict[str, Callable[[Mode, int], bool]] = {
+    "keep_decoder_swa": lambda mode, n: mode.encoder_replay in (None, "exact"),
+    "cached_hidden": lambda mode, n: mode.encoder_replay in (None, "exact"),
+    "encoder_replay": lambda mode, n: mode.encoder_replay == "exact",
+    "suffix_only": lambda mode, n: n <= mode.turn,
+}
+
+
 def promises_exact(mode: Mode, r_exact: int) -> bool:
     """Whether the contract (docs/semantics.md 4.1-4.3) makes `mode` equal to `full` for a
     model with exact replay length `r_exact` (1 for yoco, whose early exit is exact): a
@@ -192,11 +205,12 @@ def promises_exact(mode: Mode, r_exact: int) -> bool:
         n = r_exact if mode.replay == "exact" else int(mode.replay)
     if n < r_exact:
         return False
-    if mode.turn is None or mode.policy in ("keep_decoder_swa", "cached_hidden"):
-        return mode.turn is None or mode.encoder_replay in (None, "exact")
-    if mode.policy == "encoder_replay":
-        return mode.encoder_replay == "exact"
-    return n <= mode.turn          # suffix_only: exact only if the replay is inside the turn
+    if mode.turn is None:
+        return True
+    if mode.policy not in POLICY_EXACT:
+        raise ValueError(f"mode {mode.name!r}: policy {mode.policy!r} has no exactness rule; "
+                         f"add it to evals.modes.POLICY_EXACT (rules for {sorted(POLICY_EXACT)})")
+    return POLICY_EXACT[mode.policy](mode, n)
 
 
 # ---- a mode as typed columns -----------------------------------------------------------------

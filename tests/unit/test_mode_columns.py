@@ -18,9 +18,9 @@ import pytest
 from ced.checkpoint import save_model
 from ced.inference import POLICIES
 from conftest import make_model, tiny_config
-from evals.modes import (MODE_COLUMNS, label_columns, mode_columns, mode_from_columns,
-                         mode_sort_keys, named_mode, parse_mode, replay_lengths,
-                         with_mode_columns)
+from evals.modes import (MODE_COLUMNS, POLICY_EXACT, label_columns, mode_columns,
+                         mode_from_columns, mode_sort_keys, named_mode, parse_mode,
+                         promises_exact, replay_lengths, with_mode_columns)
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = [1, 3, 8, 16, 40, "exact", "W", "W/2", "2W", "3W/2"]
@@ -140,3 +140,21 @@ def test_the_suite_writes_the_columns_beside_each_label(tmp_path):
         turn = by_label.loc["turn=3,policy=suffix_only,replay=6"]
         assert (turn["turn"], turn["policy"], turn["encoder_replay"], turn["prefix_cache"]) == (
             3.0, "suffix_only", "exact", 1.0)
+
+
+def test_every_policy_has_one_exactness_rule_and_an_unknown_policy_is_refused():
+    """`promises_exact` reads a new turn's exactness from POLICY_EXACT, one rule per policy in
+    ced.inference.POLICIES; a policy without one is a one-line error naming the table, not
+    suffix_only's rule by default (which would flag or hide exact-mode violations)."""
+    assert set(POLICY_EXACT) == set(POLICIES)
+    r_exact = 15
+    for policy in POLICIES:
+        for replay, turn in ((r_exact, 4), (r_exact, 30), (4, 30)):
+            mode = named_mode(replay=replay, turn=turn, policy=policy)
+            expected = replay >= r_exact and (policy != "suffix_only" or replay <= turn)
+            assert promises_exact(mode, r_exact) == expected, (mode.name, expected)
+    assert not promises_exact(named_mode(replay=r_exact, turn=30, policy="encoder_replay",
+                                         encoder_replay=4), r_exact)
+    stranger = dataclasses.replace(named_mode(replay=r_exact, turn=4), policy="new_policy")
+    with pytest.raises(ValueError, match="no exactness rule; add it to evals.modes.POLICY_EXACT"):
+        promises_exact(stranger, r_exact)
