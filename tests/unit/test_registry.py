@@ -6,6 +6,7 @@ every study job's overrides and composed config must be what they were."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import ced.cli.train as trainer
 from ced import ModelConfig
@@ -152,19 +153,29 @@ def test_a_new_task_is_swept_by_the_suite_and_trained_by_data_synthetic(parrot_t
                         "train").families == ["parrot"]
 
 
-def study_training_data() -> dict[str, tuple[dict, list[str] | None]]:
-    """study/scale/job -> (its composed data config, the tasks its training source draws) of
-    every study job."""
+@functools.lru_cache(maxsize=None)
+def composed_study_jobs() -> dict[str, DictConfig]:
+    """study/scale/job -> the training config of every study job, composed once for this file's
+    tests (Hydra's compose costs about 0.1 s a job, and there are some 160). Composition reads
+    only the yaml tree and the study files, never the task registry (`free_form_overrides` only
+    prefixes keys), so one composition serves before and after a task is registered; nothing
+    here mutates the configs it is handed."""
     out = {}
     for path in sorted(STUDY_DIR.glob("*.yaml")):
         for scale in ("demo", "full"):
             study = load_study(path.stem, scale)
             for job in study.jobs:
-                data = compose_train([*study.train, *job.overrides]).data
-                out[f"{path.stem}/{scale}/{job.name}"] = (
-                    OmegaConf.to_container(data, resolve=True),
-                    getattr(build_source(data, "train"), "families", None))
+                out[f"{path.stem}/{scale}/{job.name}"] = compose_train([*study.train,
+                                                                        *job.overrides])
     return out
+
+
+def study_training_data() -> dict[str, tuple[dict, list[str] | None]]:
+    """study/scale/job -> (its data config, resolved, and the tasks its training source draws)
+    of every study job, as the task registry stands now."""
+    return {key: (OmegaConf.to_container(cfg.data, resolve=True),
+                  getattr(build_source(cfg.data, "train"), "families", None))
+            for key, cfg in composed_study_jobs().items()}
 
 
 def test_a_new_task_changes_what_no_study_trains():
@@ -206,10 +217,10 @@ def test_every_study_job_trains_what_it_trained_on_main(name, scale):
         assert normalise_overrides(overrides) == golden["overrides"]
         if job.name == "broken":              # tiny's job that fails on purpose
             continue
-        cfg = OmegaConf.to_container(compose_train(overrides), resolve=True)
+        composed = composed_study_jobs()[f"{name}/{scale}/{job.name}"]
+        cfg = OmegaConf.to_container(composed, resolve=True)
         rest = json.dumps({k: v for k, v in cfg.items() if k != "data"}, sort_keys=True)
         assert hashlib.sha256(rest.encode()).hexdigest()[:16] == golden["config"]
-        composed = compose_train(overrides)
         assert rows_hash(build_source(composed.data, "train"), 4,
                          study_rows_length(composed)) == golden["rows"]
 
