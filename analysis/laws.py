@@ -1,7 +1,7 @@
 """Which law sets the replay an engine needs: `python -m analysis.laws`.
 
     python -m analysis.laws --models findings/encoder_w/models.csv --out findings/encoder_w \
-        [--resamples 2000] [--alpha 0.05]
+        [--resamples 2000] [--alpha 0.05] [--target W=128,R_exact=2541]
 
 Reads a per-model table (`analysis.reach`'s models.csv: one row per trained model, with its job,
 W, R_exact and N*) and fits N* with each candidate law, each with one free constant:
@@ -25,8 +25,16 @@ Least squares over models: a = sum(W N*) / sum(W^2), b = sum(R N*) / sum(R^2),
 c = mean(N* - W) (or mean(N* - d_max)). A model without an N* (no competent bin) is left out
 and counted. With fewer than two cells with an N*, nothing can be held out: refused.
 
+What each law implies for an engine: its N* at a target geometry (`--target`, default V4.1's
+conf/model/deepseek_v41_flash.yaml: W = 128, R_exact = 2541), the constant fitted on every
+cell, with a model-level CI from the same draws of models within cells. That interval is the
+spread of the fit over the models trained, not the error of extrapolating 16-300x beyond the
+cells: the held-out scores say how far to trust a law, and `reach` has no value at a target
+(it reads a trained model's own reach).
+
 Writes laws.csv (per law: the constant fitted on every cell, the held-out RMSE and relative
-RMSE with their CIs, the difference to the best law with its CI, the in-sample RMSE),
+RMSE with their CIs, the difference to the best law with its CI, the in-sample RMSE, the
+target's N* with its CI),
 held_out.csv (per law and cell: observed mean N*, prediction, error), laws.png (each cell's
 N* against W and against R_exact, with every law's held-out predictions) and laws.md.
 """
@@ -71,6 +79,43 @@ LAWS = (Law("windows", "N* = a W", "W", True),
         Law("tokens", "N* = W + c", "W", False),
         Law("receptive_field", "N* = b R_exact", "R_exact", True),
         Law("reach", "N* = d_max + c", "largest_competent_d", False))
+
+
+@dataclass(frozen=True)
+class Target:
+    """The geometry a law is extrapolated to: the window W and the decoder's R_exact."""
+
+    name: str
+    W: int
+    R_exact: int
+
+    def covariate(self, law: Law) -> float:
+        """The law's covariate at the target; NaN for `reach` (a trained model's own reach)."""
+        return {"W": float(self.W), "R_exact": float(self.R_exact)}.get(law.covariate, np.nan)
+
+    @classmethod
+    def of_model(cls, name: str = "deepseek_v41_flash") -> "Target":
+        """W and R_exact of conf/model/<name>.yaml (ced.config.exact_replay_length)."""
+        from ced.config import ModelConfig, exact_replay_length
+        from ced.train_config import model_conf
+        cfg = ModelConfig(**model_conf(name))
+        return cls(name, cfg.window, exact_replay_length(cfg))
+
+    @classmethod
+    def parse(cls, text: str) -> "Target":
+        """'W=128,R_exact=2541' (both keys, ints >= 1) or a conf/model name."""
+        if "=" not in text:
+            try:
+                return cls.of_model(text)
+            except ValueError as error:
+                raise ValueError(f"--target: {error}") from None
+        parts = [part.split("=", 1) for part in text.replace(" ", "").split(",")]
+        fields = {part[0]: part[-1] for part in parts}
+        if any(len(part) != 2 for part in parts) or set(fields) != {"W", "R_exact"} or not all(v.isdigit() and int(v) >= 1
+                                                      for v in fields.values()):
+            raise ValueError(f"--target: expected W=<int>,R_exact=<int> or a conf/model name; "
+                             f"got {text!r}")
+        return cls(text, int(fields["W"]), int(fields["R_exact"]))
 
 
 def usable(models: pd.DataFrame) -> tuple[pd.DataFrame, list[Law]]:
@@ -159,14 +204,30 @@ def bootstrap_scores(models: pd.DataFrame, laws: list[Law], resamples: int,
     return out
 
 
+def bootstrap_constants(models: pd.DataFrame, laws: list[Law], resamples: int,
+                        rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per law, shape (resamples,): the constant fitted on every cell's models of each
+    `within_cells` draw."""
+    _, cell = np.unique(models["job"].to_numpy(str), return_inverse=True)
+    n_star = models["N_star"].to_numpy(float)
+    out = {law.name: np.empty(resamples) for law in laws}
+    for i, pick in enumerate(within_cells(cell, resamples, rng)):
+        for law in laws:
+            out[law.name][i] = law.fit(models[law.covariate].to_numpy(float)[pick], n_star[pick])
+    return out
+
+
 def compare(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05,
-            seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(laws.csv's table, held_out.csv's table) for a per-model table; see the module doc."""
+            seed: int = 0, target: Target | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(laws.csv's table, held_out.csv's table) for a per-model table; see the module doc.
+    target: where each law's N* is extrapolated to (default V4.1's geometry)."""
     models, laws = usable(models)
+    target = target or Target.of_model()
     errors = held_out(models, laws)
     point = scores(errors)
     best = min(point, key=lambda name: point[name][0])
     draws = bootstrap_scores(models, laws, resamples, np.random.default_rng(seed))
+    constants = bootstrap_constants(models, laws, resamples, np.random.default_rng(seed + 1))
     lo, hi = 100 * alpha / 2, 100 * (1 - alpha / 2)
     n_star = models["N_star"].to_numpy(float)
     rows = []
@@ -187,8 +248,21 @@ def compare(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05,
             "minus_best_ci_low": np.percentile(minus_best, lo),
             "minus_best_ci_high": np.percentile(minus_best, hi),
             "in_sample_rmse": float(np.sqrt(((fitted - n_star) ** 2).mean())),
-            "best": law.name == best})
+            "best": law.name == best,
+            **_at_target(law, law.fit(x, n_star), constants[law.name], target, lo, hi)})
     return pd.DataFrame(rows), errors
+
+
+def _at_target(law: Law, constant: float, draws: np.ndarray, target: Target, lo: float,
+               hi: float) -> dict:
+    """laws.csv's target columns: the law's N* at the target, and its CI over the constants
+    fitted on draws of models (draws: shape (resamples,))."""
+    x = target.covariate(law)
+    predicted = law.predict(draws, x)
+    return {"target": target.name, "target_W": target.W, "target_R_exact": target.R_exact,
+            "target_N_star": law.predict(constant, x),
+            "target_ci_low": np.nan if np.isnan(x) else np.percentile(predicted, lo),
+            "target_ci_high": np.nan if np.isnan(x) else np.percentile(predicted, hi)}
 
 
 def figure(models: pd.DataFrame, errors: pd.DataFrame):
@@ -214,10 +288,11 @@ def figure(models: pd.DataFrame, errors: pd.DataFrame):
     return fig
 
 
-def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.05) -> dict:
+def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.05,
+          target: Target | None = None) -> dict:
     """laws.csv, held_out.csv, laws.png and laws.md into `out`; returns {name: path}."""
     models = pd.read_csv(models_csv)
-    table, errors = compare(models, resamples, alpha)
+    table, errors = compare(models, resamples, alpha, target=target)
     out.mkdir(parents=True, exist_ok=True)
     written = {"laws": out / "laws.csv", "held_out": out / "held_out.csv",
                "figure": out / "laws.png", "markdown": out / "laws.md"}
@@ -228,7 +303,10 @@ def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.0
     written["markdown"].write_text(
         f"# Which law sets N*\n\nFrom {models_csv} ({len(models)} models, {dropped} without an "
         f"N*). Each cell held out in turn; RMSE of the held-out cell means, model-level "
-        f"{100 * (1 - alpha):.0f}% CIs from {resamples} draws of models within cells.\n\n"
+        f"{100 * (1 - alpha):.0f}% CIs from {resamples} draws of models within cells. "
+        f"target_N_star: the law fitted on every cell, at {table['target'].iloc[0]} (W = "
+        f"{table['target_W'].iloc[0]}, R_exact = {table['target_R_exact'].iloc[0]}); its CI is "
+        f"the spread over models, not the extrapolation's error.\n\n"
         + markdown(table, list(table.columns)))
     return written
 
@@ -255,9 +333,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a per-model table (analysis.reach's models.csv)")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     add_bootstrap_options(parser)
+    parser.add_argument("--target", default="deepseek_v41_flash", help=(
+        "where each law's N* is extrapolated: W=<int>,R_exact=<int> or a conf/model name "
+        "(default deepseek_v41_flash: W = 128, R_exact = 2541)"))
     args = parser.parse_args(argv)
     try:
-        written = write(args.models, args.out, args.resamples, args.alpha)
+        written = write(args.models, args.out, args.resamples, args.alpha,
+                        Target.parse(args.target))
     except (FileNotFoundError, ValueError) as error:
         print(f"analysis.laws: {error}", file=sys.stderr)
         return 2

@@ -95,3 +95,35 @@ def test_the_command_writes_its_tables(tmp_path):
     assert (tmp_path / "out" / "laws.png").stat().st_size > 0
     assert "receptive_field" in (tmp_path / "out" / "laws.md").read_text()
     assert laws.main(["--models", str(tmp_path / "none.csv"), "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rule,law,expected", [
+    (lambda w, r: 3 * w, "windows", 3 * 128),
+    (lambda w, r: w + 12, "tokens", 128 + 12),
+    (lambda w, r: 0.6 * r, "receptive_field", 0.6 * 2541)])
+def test_each_law_is_extrapolated_to_v41_with_a_model_level_interval(rule, law, expected, seed):
+    """The generating law's N* at V4.1's geometry (conf/model/deepseek_v41_flash.yaml: W = 128,
+    R_exact = 2541) is its constant there: within 5% (noise sd 1 token a model; the fitted
+    constant moves by about 1/sqrt(20) of that), inside its own CI; reach has no value at a
+    target; and the CI narrows with sixteen times the models (to about a quarter; a bootstrap
+    over four models a cell is itself noisy: 0.63 at worst over 12 seeds, so the bound is 0.75)."""
+    table = laws.compare(fabricated(rule, seed=seed), resamples=300, seed=seed)[0]
+    row = table.set_index("law").loc[law]
+    assert (row["target_W"], row["target_R_exact"]) == (128, 2541)
+    assert abs(row["target_N_star"] - expected) < 0.05 * expected, row
+    assert row["target_ci_low"] <= row["target_N_star"] <= row["target_ci_high"]
+    assert np.isnan(table.set_index("law").loc["reach", "target_N_star"])
+    wide = row["target_ci_high"] - row["target_ci_low"]
+    more = laws.compare(fabricated(rule, models_per_cell=64, seed=seed), resamples=300,
+                        seed=seed)[0].set_index("law").loc[law]
+    assert more["target_ci_high"] - more["target_ci_low"] < 0.75 * wide
+
+
+def test_a_target_is_a_geometry_or_a_model_file_and_bad_text_is_one_line():
+    assert laws.Target.parse("W=16,R_exact=121") == laws.Target("W=16,R_exact=121", 16, 121)
+    assert laws.Target.parse("deepseek_v41_flash") == laws.Target("deepseek_v41_flash", 128,
+                                                                   2541)
+    for text in ("W=16", "W=16,R_exact=0", "W=16,R_exact", "W=16,R_exact=8,L=2", "no_such"):
+        with pytest.raises(ValueError, match="--target"):
+            laws.Target.parse(text)
