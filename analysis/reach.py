@@ -29,6 +29,8 @@ into the same --out), writes the trained model as the unit, one distance bin at 
   steps.csv    job against job (each job against the next, and --compare pairs): the change
                in the mean drop at N = W inside and beyond, with a bootstrap CI over models
                and Welch's p (`job_steps`)
+  margins.csv  per job x family x d: N*(d) - d over the models competent on the bin (median,
+               min, max) and how many of them need N*(d) >= d - W (`margin_table`)
   margin.png   N*(d) - d against d, each job's median over its models, one panel a family
   drop_at_W.png   the drop at N = W inside and beyond per job, models as points, with the
                model-level CI
@@ -231,6 +233,24 @@ def _palette() -> list[str]:
                                  "gray", "olive", "cyan")]
 
 
+def margin_table(bins: pd.DataFrame) -> pd.DataFrame:
+    """N*(d) - d per job, family and span start d, over the models competent on that bin:
+    columns job, family, d, W, models, margin_median, margin_min, margin_max and
+    past_d_minus_W (how many of those models need N*(d) >= d - W: the replay must reach back
+    to within one window of the span's start). bins: `bin_table`'s rows."""
+    good = bins[bins["competent"] & bins["N_star_d"].notna()]
+    if good.empty:
+        return pd.DataFrame(columns=["job", "family", "d", "W", "models", "margin_median",
+                                     "margin_min", "margin_max", "past_d_minus_W"])
+    good = good.assign(past=good["N_star_d"] >= good["d"] - good["W"])
+    return (good.groupby(["job", "family", "d"], sort=False)
+            .agg(W=("W", "first"), models=("seed", "nunique"),
+                 margin_median=("margin", "median"), margin_min=("margin", "min"),
+                 margin_max=("margin", "max"), past_d_minus_W=("past", "sum"))
+            .reset_index().sort_values(["job", "family", "d"], kind="stable")
+            .reset_index(drop=True))
+
+
 def margin_figure(bins: pd.DataFrame) -> Figure | None:
     """N*(d) - d against d on competent bins, one panel per family: each job's median over its
     models as a line, every model as a faint point."""
@@ -245,10 +265,11 @@ def margin_figure(bins: pd.DataFrame) -> Figure | None:
                for i, job in enumerate(dict.fromkeys(good["job"]))}
     for ax, family in zip(axes, families):
         mine = good[good["family"] == family]
+        medians = margin_table(mine)
         for job, part in mine.groupby("job", sort=False):
             ax.scatter(part["d"], part["margin"], s=8, alpha=0.25, color=colours[job])
-            median = part.groupby("d")["margin"].median()
-            ax.plot(median.index, median.to_numpy(), marker="o", ms=3, color=colours[job],
+            median = medians[medians["job"] == job]
+            ax.plot(median["d"], median["margin_median"], marker="o", ms=3, color=colours[job],
                     label=f"{job} ({part['seed'].nunique()} models)")
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xlabel("span start d (tokens before the answer)")
@@ -315,19 +336,22 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
     steps = job_steps(models)
     if compare:
         steps = pd.concat([steps, job_steps(models, compare)], ignore_index=True)
-    for name, table in (("bins", bins), ("models", models), ("cells", cells), ("steps", steps)):
+    margins = margin_table(bins)
+    for name, table in (("bins", bins), ("models", models), ("cells", cells), ("steps", steps),
+                        ("margins", margins)):
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
     for name, figure in (("margin", margin_figure(bins)), ("drop_at_W", drop_figure(models, cells))):
         if figure is not None:
             written[name] = save(figure, out / f"{name}.png", dpi=110)
     written["reach"] = out / "reach.md"
-    written["reach"].write_text(_markdown(cells, models, steps, publish.provenance(study)))
+    written["reach"].write_text(_markdown(cells, models, steps, margins,
+                                          publish.provenance(study)))
     return written
 
 
 def _markdown(cells: pd.DataFrame, models: pd.DataFrame, steps: pd.DataFrame,
-              info: dict) -> str:
+              margins: pd.DataFrame, info: dict) -> str:
     lines = ["# Reach: where each model reads its evidence, and what replay keeps it", "",
              "Drops at N = W on competent bins (full >= 0.9 per bin), inside (d <= W) and "
              "beyond (d > W) the replay; example CI Agresti-Min, model CI the bootstrap over "
@@ -345,7 +369,10 @@ def _markdown(cells: pd.DataFrame, models: pd.DataFrame, steps: pd.DataFrame,
                  if c in models]), "",
              "## Job against job (models as the unit; bootstrap CI over models, Welch p)", "",
              publish.markdown(steps, list(steps.columns)) if not steps.empty else "(one job)\n",
-             "", "## Provenance", ""]
+             "", "## N*(d) - d per span start (competent models; past_d_minus_W: how many need "
+             "N*(d) >= d - W)", "",
+             publish.markdown(margins, list(margins.columns)) if not margins.empty
+             else "(no competent bin)\n", "", "## Provenance", ""]
     return "\n".join(lines + publish.provenance_markdown(info))
 
 

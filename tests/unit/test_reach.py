@@ -163,6 +163,17 @@ def test_bins_models_and_cells_on_a_fabricated_study(seed):
     assert cells.loc["window", "failed_beyond"] == 2 and cells.loc["global", "failed_beyond"] == 0
     assert cells.loc["global", "seed_ci_low_beyond"] == cells.loc["global", "seed_ci_high_beyond"] == 0
     assert cells.loc["window", "ci_low_beyond"] <= -0.95
+    # N*(d) - d per span start, over the models competent on each bin
+    margins = reach.margin_table(bins).set_index(["job", "d"])
+    for d in bins_d:
+        expect = (next(n for n in grid_n if n >= d) if d <= 15 else 15) - d
+        row = margins.loc[("window", d)]
+        assert row["models"] == (1 if d > 12 else 2), (d, row)
+        assert row["margin_median"] == row["margin_min"] == row["margin_max"] == expect
+        # N*(d) >= d - W at every bin of "window" (its N*(d) >= d up to R_exact, 15 >= 22 - 8)
+        assert row["past_d_minus_W"] == row["models"]
+        assert margins.loc[("global", d), "margin_median"] == 4 - d
+        assert margins.loc[("global", d), "past_d_minus_W"] == (2 if 4 >= d - 8 else 0)
 
 
 def test_job_steps_difference_and_its_interval():
