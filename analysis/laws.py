@@ -1,7 +1,7 @@
 """Which law sets the replay an engine needs: `python -m analysis.laws`.
 
     python -m analysis.laws --models findings/encoder_w/models.csv --out findings/encoder_w \
-        [--resamples 2000] [--alpha 0.05] [--target W=128,R_exact=2541]
+        [--resamples 2000] [--alpha 0.05] [--target W=128,R_exact=2541] [--jobs JOB ...]
 
 Reads a per-model table (`analysis.reach`'s models.csv: one row per trained model, with its job,
 W, R_exact and N*) and fits N* with each candidate law, each with one free constant:
@@ -288,10 +288,23 @@ def figure(models: pd.DataFrame, errors: pd.DataFrame):
     return fig
 
 
+def only_jobs(models: pd.DataFrame, jobs: list[str] | None) -> pd.DataFrame:
+    """The rows of the cells `jobs` (None: every row); a job the table lacks is a ValueError
+    naming it and the jobs it has."""
+    if not jobs:
+        return models
+    missing = sorted(set(jobs) - set(models["job"]))
+    if missing:
+        raise ValueError(f"--jobs: no model of {missing} in the table; it has "
+                         f"{sorted(set(models['job']))}")
+    return models[models["job"].isin(jobs)].reset_index(drop=True)
+
+
 def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.05,
-          target: Target | None = None) -> dict:
-    """laws.csv, held_out.csv, laws.png and laws.md into `out`; returns {name: path}."""
-    models = pd.read_csv(models_csv)
+          target: Target | None = None, jobs: list[str] | None = None) -> dict:
+    """laws.csv, held_out.csv, laws.png and laws.md into `out`, from the models of `jobs`
+    (None: every job of the table); returns {name: path}."""
+    models = only_jobs(pd.read_csv(models_csv), jobs)
     table, errors = compare(models, resamples, alpha, target=target)
     out.mkdir(parents=True, exist_ok=True)
     written = {"laws": out / "laws.csv", "held_out": out / "held_out.csv",
@@ -301,7 +314,9 @@ def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.0
     figure(usable(models)[0], errors).savefig(written["figure"], dpi=110)
     dropped = int(models["N_star"].isna().sum())
     written["markdown"].write_text(
-        f"# Which law sets N*\n\nFrom {models_csv} ({len(models)} models, {dropped} without an "
+        f"# Which law sets N*\n\nFrom {models_csv}"
+        f"{' (jobs ' + ', '.join(jobs) + ')' if jobs else ''} ({len(models)} models, "
+        f"{dropped} without an "
         f"N*). Each cell held out in turn; RMSE of the held-out cell means, model-level "
         f"{100 * (1 - alpha):.0f}% CIs from {resamples} draws of models within cells. "
         f"target_N_star: the law fitted on every cell, at {table['target'].iloc[0]} (W = "
@@ -336,10 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="deepseek_v41_flash", help=(
         "where each law's N* is extrapolated: W=<int>,R_exact=<int> or a conf/model name "
         "(default deepseek_v41_flash: W = 128, R_exact = 2541)"))
+    parser.add_argument("--jobs", nargs="+", metavar="JOB",
+                        help="fit only these cells (default: every job of the table)")
     args = parser.parse_args(argv)
     try:
         written = write(args.models, args.out, args.resamples, args.alpha,
-                        Target.parse(args.target))
+                        Target.parse(args.target), args.jobs)
     except (FileNotFoundError, ValueError) as error:
         print(f"analysis.laws: {error}", file=sys.stderr)
         return 2

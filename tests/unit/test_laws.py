@@ -95,6 +95,15 @@ def test_the_command_writes_its_tables(tmp_path):
     assert (tmp_path / "out" / "laws.png").stat().st_size > 0
     assert "receptive_field" in (tmp_path / "out" / "laws.md").read_text()
     assert laws.main(["--models", str(tmp_path / "none.csv"), "--out", str(tmp_path)]) == 2
+    # --jobs fits only the cells named: W8_L20 and W32_L8 out leaves three cells and 12 models
+    assert laws.main(["--models", str(source), "--out", str(tmp_path / "some"), "--resamples",
+                      "50", "--jobs", "W8_L4", "W8_L8", "W16_L8"]) == 0
+    some = pd.read_csv(tmp_path / "some" / "laws.csv")
+    assert (some["cells"] == 3).all() and (some["models"] == 12).all()
+    assert set(pd.read_csv(tmp_path / "some" / "held_out.csv")["job"]) == {"W8_L4", "W8_L8",
+                                                                            "W16_L8"}
+    assert laws.main(["--models", str(source), "--out", str(tmp_path / "bad"), "--jobs",
+                      "W8_L4", "W64_L8"]) == 2
 
 
 @pytest.mark.parametrize("seed", range(3))
