@@ -199,13 +199,21 @@ def test_a_new_multi_turn_policy_reruns_exactly_the_suites_that_read_it(tiny_stu
         step["done"].parent.mkdir(parents=True, exist_ok=True)
         step["done"].write_text("{}")
         write_stamp(step["out"], step_record(step, checkpoint=step["reading"].paths[0]))
-    rows = {r["run"]: r for r in study.plan()}
-    assert rows["suite/ced/seed0"]["action"] == "skip", rows["suite/ced/seed0"]
+    before = {r["run"]: r for r in study.plan()}
+    assert before["suite/ced/seed0"]["action"] == "skip", before["suite/ced/seed0"]
     monkeypatch.setattr(ced.inference, "POLICIES", (*ced.inference.POLICIES, "dummy_policy"))
     rows = {r["run"]: r for r in study.plan()}
-    for key in ("suite/ced/seed0", "suite/ced/seed0@kv=global:fp8", "suite/yoco/seed0"):
+    suites = ("suite/ced/seed0", "suite/ced/seed0@kv=global:fp8", "suite/yoco/seed0",
+              "suite/yoco/seed0@kv=global:fp8")
+    for key in suites:
         assert rows[key]["action"] == "rerun", rows[key]
         assert rows[key]["reason"] == "inputs changed (policies gained dummy_policy)"
+    # exactly those steps change: training, and every step that does not read the policies,
+    # plan as they did before the policy was added
+    assert rows.keys() == before.keys()
+    changed = {k for k in rows if rows[k]["action"] != before[k]["action"]}
+    assert changed == set(suites), changed
+    assert all(rows[k]["action"] == "skip" for k in rows if k.startswith(("ced/", "yoco/")))
     # the tiny study reads no multi-turn family: its suites' hashes do not hold the policies
     plain = Study(load_study("tiny"), out, 1, wandb=False)
     assert all("policies" not in s["inputs"] for s in plain.tool_steps(TOOLS["suite"])[0])
