@@ -206,7 +206,7 @@ def test_sweep_names_leave_out_what_conf_train_leaves_out():
 def test_an_offline_run_holds_its_config_summary_and_artifact(tmp_path, capsys):
     """What `wandb sync` uploads, read from the offline run's record log (the pinned wandb
     writes no config or summary into files/ until then): `python -m ced.tracking <run>`."""
-    from ced.tracking import main as tracking_main
+    from ced.cli.tracking import main as tracking_main
     from ced.tracking import read_offline_run
     run = tmp_path / "run"
     run_train(run, "train.steps=2", "train.eval_every=2", "train.save_every=2",

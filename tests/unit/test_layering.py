@@ -143,9 +143,9 @@ def test_analysis_imports_nothing_from_the_drivers_above(path):
     assert not upward, "analysis/ sits below experiments/ and benchmarks/: " + "; ".join(upward)
 
 
-# `python -m ced.train` and `python -m ced.cost` run these: entry points of the command line,
-# which they import; no library module imports them.
-ENTRY_POINTS = ("ced/train/__main__.py", "ced/cost/__main__.py")
+# `python -m ced.train`, `python -m ced.cost` and `python -m ced.tracking` run these: entry
+# points of the command line, which they import; no library module imports them.
+ENTRY_POINTS = ("ced/train/__main__.py", "ced/cost/__main__.py", "ced/tracking/__main__.py")
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ced").rglob("*.py")),
@@ -162,6 +162,16 @@ def test_the_library_does_not_import_its_command_line(path):
                     and (node.module or "").split(".")[0] == "cli"]
     assert not found + relative_cli, ("ced/ is the library; ced/cli/ is its command line "
                                       "and sits above it: " + "; ".join(found + relative_cli))
+
+
+def test_the_library_parses_no_command_line():
+    """argparse lives in ced/cli/ only: a library module that parses arguments is a command line
+    that has not moved up yet."""
+    found = [f"{path.relative_to(ROOT)}:{line}"
+             for path in sorted((ROOT / "ced").rglob("*.py"))
+             if not str(path.relative_to(ROOT)).startswith("ced/cli/")
+             for line, module in imported_modules(path) if module == "argparse"]
+    assert not found, "argparse outside ced/cli/: " + "; ".join(found)
 
 
 def test_the_command_line_borrows_no_private_name_from_the_library():
