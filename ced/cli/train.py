@@ -22,9 +22,9 @@ from pathlib import Path
 from ced.checkpoint import CheckpointError, StorageFull
 from ced.runlock import DirectoryLocked
 from ced.data import build_source
-from ced.train import NOT_FINISHED, Stopped, override_key, resume_hint, train
+from ced.train import NOT_FINISHED, Stopped, override_key, train
 from ced.train.run_dir import (CONFIG_YAML, FINAL, TrainingDiverged, check_resumable,
-                               flatten)
+                               checkpoint_dirs, flatten)
 from ced.train_config import ConfigError, TrainConfig, validate
 from ced.memory import advice, is_out_of_memory, oom_summary
 from ced.writable import OutputDirError, check_hydra_output
@@ -56,7 +56,7 @@ def _hydra_task(cfg) -> float | None:
     except TrainingDiverged as exc:
         _fail(f"training stopped: {exc}", 3)
     except Stopped as exc:
-        _fail(str(exc), exc.code)
+        _fail(f"{exc}; {resume_hint(run_dir)}", exc.code)
     except DirectoryLocked as exc:
         _fail(f"error: {exc}", 2)
     except StorageFull as exc:
@@ -79,6 +79,25 @@ def _hydra_task(cfg) -> float | None:
         if int(os.environ.get("RANK", "0")) > 0:   # the throwaway Hydra dir of main()
             shutil.rmtree(hydra_cfg.runtime.output_dir, ignore_errors=True)
     return metrics.get("val/loss", metrics.get("loss"))
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run in `run_dir`: this run's own command-line overrides
+    with train.resume=auto (inside the Hydra app; else the bare form)."""
+    from hydra.core.hydra_config import HydraConfig
+    given = []
+    if HydraConfig.initialized():
+        given = [o for o in HydraConfig.get().overrides.task
+                 if override_key(o) not in ("train.resume", "hydra.run.dir", "train.overwrite")]
+    return " ".join(["python -m ced.train", *given, "train.resume=auto",
+                     f"hydra.run.dir={run_dir}"])
+
+
+def resume_hint(run_dir: Path) -> str:
+    """'the last checkpoint is X; resume with: <command>' for a stopped run."""
+    saved = checkpoint_dirs(run_dir)
+    last = saved[-1] if saved else "none yet (a resume starts from step 0)"
+    return f"the last checkpoint is {last}; resume with: {resume_command(run_dir)}"
 
 
 def from_run_config(cfg, given: list[str], run_dir: Path):

@@ -198,7 +198,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
 
 class Stopped(RuntimeError):
     """SIGTERM or SIGINT stopped the run at a step boundary, after its checkpoint was saved;
-    the message is one line with the step, the checkpoint and how to resume."""
+    the message is one line with the signal and the step (the command line adds the checkpoint
+    and how to resume: `ced.cli.train.resume_hint`)."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
@@ -569,8 +570,7 @@ def _stop_on_signal(run: _Run, step: int, received: str) -> None:
         if received == "SIGTERM" and hasattr(tracker, "mark_preempting"):
             tracker.mark_preempting()
         tracker.finish(exit_code=code)    # a stopped run is not "finished" on the dashboard
-    raise Stopped(f"training stopped by {received} at step {step} of {t.last_step}; "
-                  f"{resume_hint(run.run_dir)}", code)
+    raise Stopped(f"training stopped by {received} at step {step} of {t.last_step}", code)
 
 
 def _finish_run(run: _Run, last: dict) -> None:
@@ -658,27 +658,8 @@ class _Progress:
             self.bar.close()
 
 
-# ---- how a stopped run continues ------------------------------------------------------------
+# ---- overrides ------------------------------------------------------------------------------
 
 def override_key(item: str) -> str:
     """The key of a command-line override: `+a.b=1`, `~a.b` -> `a.b`."""
     return item.split("=", 1)[0].lstrip("+~")
-
-
-def resume_command(run_dir: Path) -> str:
-    """The command that continues the run in `run_dir`: this run's own command-line overrides
-    with train.resume=auto (inside a Hydra app; else the bare form)."""
-    from hydra.core.hydra_config import HydraConfig
-    given = []
-    if HydraConfig.initialized():
-        given = [o for o in HydraConfig.get().overrides.task
-                 if override_key(o) not in ("train.resume", "hydra.run.dir", "train.overwrite")]
-    return " ".join(["python -m ced.train", *given, "train.resume=auto",
-                     f"hydra.run.dir={run_dir}"])
-
-
-def resume_hint(run_dir: Path) -> str:
-    """'the last checkpoint is X; resume with: <command>' for a stopped run."""
-    saved = checkpoint_dirs(run_dir)
-    last = saved[-1] if saved else "none yet (a resume starts from step 0)"
-    return f"the last checkpoint is {last}; resume with: {resume_command(run_dir)}"

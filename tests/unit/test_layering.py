@@ -164,14 +164,22 @@ def test_the_library_does_not_import_its_command_line(path):
                                       "and sits above it: " + "; ".join(found + relative_cli))
 
 
+# The one library module that asks Hydra something: a relative data path is read against the
+# directory the run started in, should a user turn Hydra's chdir back on (the apps set it off).
+HYDRA_IN_THE_LIBRARY = {"ced/data/corpora.py"}
+
+
 def test_the_library_parses_no_command_line():
-    """argparse lives in ced/cli/ only: a library module that parses arguments is a command line
-    that has not moved up yet."""
-    found = [f"{path.relative_to(ROOT)}:{line}"
+    """argparse lives in ced/cli/ only, and Hydra too but for HYDRA_IN_THE_LIBRARY: a library
+    module that parses arguments or reads the app's overrides is a command line that has not
+    moved up yet."""
+    found = [f"{rel}:{line}: {module}"
              for path in sorted((ROOT / "ced").rglob("*.py"))
-             if not str(path.relative_to(ROOT)).startswith("ced/cli/")
-             for line, module in imported_modules(path) if module == "argparse"]
-    assert not found, "argparse outside ced/cli/: " + "; ".join(found)
+             if not (rel := str(path.relative_to(ROOT))).startswith("ced/cli/")
+             for line, module in imported_modules(path)
+             if module == "argparse" or (module.split(".")[0] == "hydra"
+                                         and rel not in HYDRA_IN_THE_LIBRARY)]
+    assert not found, "the command line's imports outside ced/cli/: " + "; ".join(found)
 
 
 def test_the_command_line_borrows_no_private_name_from_the_library():
