@@ -27,9 +27,9 @@ and counted. With fewer than two cells with an N*, nothing can be held out: refu
 
 What each law implies for an engine: its N* at a target geometry (`--target`, default V4.1's
 conf/model/deepseek_v41_flash.yaml: W = 128, R_exact = 2541), the constant fitted on every
-cell, with a model-level CI from the same draws of models within cells. That interval is the
-spread of the fit over the models trained, not the error of extrapolating 16-300x beyond the
-cells: the held-out scores say how far to trust a law, and `reach` has no value at a target
+cell, with a model-level CI from its own draws of models within cells (`within_cells`, as
+the scores' CIs are drawn). That interval is the spread of the fit over the models trained,
+not the error of extrapolating 16-300x beyond the cells: the held-out scores say how far to trust a law, and `reach` has no value at a target
 (it reads a trained model's own reach).
 
 Writes laws.csv (per law: the constant fitted on every cell, the held-out RMSE and relative
