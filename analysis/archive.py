@@ -17,6 +17,8 @@ of `analysis.findings` and `analysis.depth` need, as a skeleton study directory:
                                        archive may have cells only)
     suite/<job>/seed<k>/summary.json   the suite run's checkpoint, model config and settings
                                        (W, R_exact, ...), without its tables
+    suite/<job>/seed<k>/run.json       which model and overrides (`ced.run_id`), also in
+                                       runs/<job>/seed<k>/
     runs/<job>/seed<k>/config.yaml     the training config (L_d, arm)
     runs/<job>/seed<k>/final/          with --weights: the final checkpoint (model.safetensors,
                                        config.json) and metrics.jsonl, the training curve
@@ -45,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ced.run_id import identified, write_run_id
 from evals.erf import erf_shares
 from evals.modes import MODE_COLUMNS
 
@@ -103,10 +106,12 @@ def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
     model config, a few megabytes at the studies' sizes) and its training curve
     (`metrics.jsonl`), so that a later suite can read the same models without retraining."""
     done = []
-    for results in sorted((study / "suite").glob("*/seed*/results.csv")):
-        label = f"{results.parent.parent.name}/{results.parent.name}"
+    for run_id, folder in identified(study / "suite"):
+        results, label = folder / "results.csv", run_id.label
+        if not results.exists():
+            continue
         target = into / "suite" / label
-        target.mkdir(parents=True, exist_ok=True)
+        write_run_id(target, run_id)
         table = pd.read_csv(results, dtype={"x": str, "target": str, "prediction": str},
                             low_memory=False)
         cells_of(table).to_csv(target / CELLS, index=False, float_format="%.6g")
@@ -121,7 +126,8 @@ def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
         keep = {k: run[k] for k in ("checkpoint", "config", "settings", "examples", "modes",
                                     "seconds") if k in run}
         (target / "summary.json").write_text(json.dumps({"run": keep}, indent=1) + "\n")
-        run, kept = study / "runs" / label.split("@")[0], into / "runs" / label.split("@")[0]
+        run, kept = study / "runs" / run_id.model, into / "runs" / run_id.model
+        write_run_id(kept, run_id.trained)
         for name in ("config.yaml", *(WEIGHT_FILES if weights else ())):
             if (run / name).exists():
                 (kept / name).parent.mkdir(parents=True, exist_ok=True)

@@ -35,13 +35,14 @@ models a job it is only as wide as those models' spread.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 from ced.records import DamagedRecord, read_json
+from ced.run_id import identified, read_run_id
 from evals.modes import mode_sort_keys
 from evals.suites.stats import (bootstrap_means, crossed_difference, hierarchical_bootstrap,
                                 percentile_interval, welch_p)
@@ -92,7 +93,6 @@ def _run_settings(run: Path) -> tuple[dict | None, dict | None]:
             key, _, value = str(item).partition("=")
             overrides[key.lstrip("+~")] = "(deleted)" if key.startswith("~") else value
     if (run / "config.yaml").exists():
-        from omegaconf import OmegaConf
         config = _flat(OmegaConf.to_container(OmegaConf.load(run / "config.yaml"),
                                               resolve=False))
     return overrides, config
@@ -103,13 +103,12 @@ def job_settings(study: Path) -> dict[str, dict[str, str]]:
     driver recorded for each run (study_step.json) where every run has them, else from every
     run's config.yaml (an archive keeps only those); without the seed and bookkeeping keys,
     and without a key whose value differs between the job's own runs."""
-    runs = [r for r in sorted((study / "runs").glob("*/seed*")) if re.fullmatch(r"seed\d+", r.name)]
-    read = {run: _run_settings(run) for run in runs}
+    read = {run_id: _run_settings(run) for run_id, run in identified(study / "runs")}
     use = 0 if read and all(o is not None for o, _ in read.values()) else 1
     per_job: dict[str, list[dict]] = {}
-    for run, sources in read.items():
+    for run_id, sources in read.items():
         if sources[use] is not None:
-            per_job.setdefault(run.parent.name, []).append(sources[use])
+            per_job.setdefault(run_id.job, []).append(sources[use])
     settings = {}
     for job, mine in per_job.items():
         first = mine[0]
@@ -131,18 +130,21 @@ def job_order(study: Path, jobs: list[str]) -> list[str]:
         steps = (read_json(study / "summary.json") or {}).get("steps", {})
     except DamagedRecord:
         steps = {}
-    order = list(dict.fromkeys(k.split("/")[1] for k in steps if k.startswith("train/")
-                               and k.count("/") == 2))
+    # a training step's record names its run folder (`ced.run_id`: which job it trained)
+    trained = [read_run_id(Path(step["run_dir"])) for key, step in steps.items()
+               if key.startswith("train/") and isinstance(step, dict) and step.get("run_dir")]
+    order = list(dict.fromkeys(run_id.job for run_id in trained if run_id is not None))
     return [j for j in order if j in jobs] + sorted(j for j in jobs if j not in order)
 
 
 def job_pairs(study: Path, jobs: list[str],
               compare: list[tuple[str, str]] | None = None) -> list[tuple[str, str, str]]:
-    """(from, to, what differs) of every two of `jobs` whose settings differ in exactly one
-    key (in the study's order), then each `compare` pair not already there. A pair naming a
-    job that is not in `jobs` is a CompareError of one line."""
+    """(from, to, what differs) of every two of `jobs` (jobs as trained,
+    `analysis.tables.trained_jobs`) whose settings differ in exactly one key (in the study's
+    order), then each `compare` pair not already there. A pair naming a job that is not in
+    `jobs` is a CompareError of one line."""
     settings = job_settings(study)
-    ordered = job_order(study, [j for j in jobs if "@" not in j])
+    ordered = job_order(study, jobs)
     pairs = []
     for i, a in enumerate(ordered):
         for b in ordered[i + 1:]:

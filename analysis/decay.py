@@ -55,9 +55,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib import colormaps
+from matplotlib.figure import Figure
 
 from ced.checkpoint import CheckpointError, load_config
 from ced.config import exact_replay_length
+from ced.run_id import RunId
 from ced.tracking import job_and_seed
 from evals.suites.stats import bootstrap_means, percentile_interval, seed_t_test
 
@@ -106,7 +109,7 @@ def geometry(checkpoint: str, runs: dict | None) -> dict:
     job, seed = job_and_seed(checkpoint)
     path = Path(checkpoint)
     if not (path / "config.json").is_file():
-        run = (runs or {}).get(f"{job}/seed{seed}", {})
+        run = (runs or {}).get(RunId(job, seed).model, {}) if seed is not None else {}
         if run.get("final") is None:
             raise FileNotFoundError(f"{checkpoint}: no config.json there, nor a run {job}/seed"
                                     f"{seed} with final/config.json under --study")
@@ -214,6 +217,7 @@ def exponent_t_interval(frame: pd.DataFrame, alpha: float = 0.05) -> tuple[float
         return math.nan, math.nan
     slope, intercept = np.polyfit(x, y, 1)
     spread = ((y - intercept - slope * x) ** 2).sum() / (len(x) - 2)
+    # lazy: scipy.stats costs ~0.6 s to import, and only the interval over models needs it
     from scipy import stats
     half = float(stats.t.ppf(1 - alpha / 2, len(x) - 2)) * math.sqrt(
         spread / ((x - x.mean()) ** 2).sum())
@@ -355,7 +359,6 @@ def extrapolate(models: pd.DataFrame, window: int = V41_WINDOW, bar: float = BAR
 def _decay_panel(ax, table: pd.DataFrame, models: pd.DataFrame, floor: float) -> None:
     """log KL against d - W per model (points above the floor), coloured by W, with its fit
     over the distances it used."""
-    from matplotlib import colormaps
     windows = sorted(models["W"].unique())
     colours = {w: colormaps["viridis"](k / max(1, len(windows) - 1))
                for k, w in enumerate(windows)}
@@ -392,7 +395,6 @@ def _tau_panel(ax, models: pd.DataFrame, laws: pd.DataFrame | None) -> None:
 def figure(table: pd.DataFrame, models: pd.DataFrame, laws: pd.DataFrame | None,
            floor: float):
     """decay.png: the decay per model (left) and tau against W (right)."""
-    from matplotlib.figure import Figure
     fig = Figure(figsize=(11, 4.2))
     left, right = fig.subplots(1, 2)
     _decay_panel(left, table, models, floor)

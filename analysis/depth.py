@@ -155,6 +155,7 @@ def arm_test_table(arms: pd.DataFrame, marks: dict, traits: pd.DataFrame) -> pd.
 def mechanism_table(shares: pd.DataFrame, n_star: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     """Per model: the erf shares beside N*; and Spearman's rho (with its p) of each share
     against N* over every model and within each L_d (NaN where N* or the share is constant)."""
+    # lazy: scipy.stats costs ~0.6 s to import, and only the mechanism table needs it
     from scipy.stats import spearmanr
     table = n_star.merge(shares, on=["job", "seed"], how="inner")
     stats: dict = {}

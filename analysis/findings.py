@@ -91,7 +91,7 @@ from .real_text import publish
 from .tables import (FULL, accuracy_table, answer_kl_table, capability_drop_table,
                      competence_table, divergence_table, exact_mode_check, geometry,
                      load_needle_documents, load_results, needle_id_table, per_model_tables,
-                     reference_drop_table, with_replay_length, write_seed_t)
+                     reference_drop_table, trained_jobs, with_replay_length, write_seed_t)
 
 def write_findings(study: Path, out: Path, alpha: float = 0.05,
                    compare: list[tuple[str, str]] | None = None) -> dict[str, Path]:
@@ -108,7 +108,7 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05,
               "needle_ids": needle_id_table(results, load_needle_documents(study)),
               **per_model_tables(results, study, marks, alpha),
               "arms": arms.arms_table(results, arms.job_pairs(
-                  study, list(results["job"].unique()), compare), marks)}
+                  study, trained_jobs(results), compare), marks)}
     tables["exact_violations"] = exact_mode_check(tables["capability_drop"], marks)
     for _, row in tables["exact_violations"].iterrows():
         print(f"[findings] WARNING: {row['job']} {row['family']} `{row['mode']}` is exact by "

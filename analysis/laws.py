@@ -51,6 +51,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.publish import markdown
+from ced.config import ModelConfig, exact_replay_length
 
 REQUIRED = ("job", "W", "R_exact", "N_star")
 
@@ -96,7 +97,7 @@ class Target:
     @classmethod
     def of_model(cls, name: str = "deepseek_v41_flash") -> "Target":
         """W and R_exact of conf/model/<name>.yaml (ced.config.exact_replay_length)."""
-        from ced.config import ModelConfig, exact_replay_length
+        # lazy: ced.train_config loads OmegaConf (~0.1 s), needed only to read a model file
         from ced.train_config import model_conf
         cfg = ModelConfig(**model_conf(name))
         return cls(name, cfg.window, exact_replay_length(cfg))
@@ -268,6 +269,7 @@ def _at_target(law: Law, constant: float, draws: np.ndarray, target: Target, lo:
 def figure(models: pd.DataFrame, errors: pd.DataFrame):
     """Each cell's mean N* (points: models) against W and against R_exact, with each law's
     held-out prediction of the cell (markers)."""
+    # lazy: matplotlib costs ~0.3 s to import, and only drawing the figure needs it
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 4))
     cells = models.groupby("job", sort=True).agg(W=("W", "first"), R=("R_exact", "first"),

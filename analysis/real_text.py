@@ -87,12 +87,12 @@ def publish(study: Path, out: Path) -> dict[str, Path]:
 
 def training_summary(runs: dict):
     """`analysis.report.training_table` of the runs (the report's own table: last step, training
-    loss, validation loss in nats per byte, parameters), with the run label split into job and
-    seed."""
+    loss, validation loss in nats per byte, parameters), per model: its job and seed (its
+    `ced.run_id.RunId`)."""
     table = training_table(runs).rename(columns={"params": "parameters", "steps": "step"})
-    label = table["job"].str.partition("/seed")
-    table["job"] = label[0]
-    table.insert(1, "seed", label[2].astype(int))
+    models = [runs[label]["run_id"] for label in table["job"]]
+    table["job"] = [m.job for m in models]
+    table.insert(1, "seed", [m.seed for m in models])
     table["parameters"] = table["parameters"].astype("Int64")   # none for an unfinished run
     return table
 

@@ -21,26 +21,33 @@ notebooks/study_analysis.py uses them.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import html
 import json
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from omegaconf import OmegaConf
 
+from ced import ModelConfig
+from ced.cost import model_params, prefill_flops
 from ced.records import DamagedRecord, read_json
-from ced.tracking import checkpoint_label
+from ced.run_id import RunId, identified, of_checkpoint
+from ced.tracking import checkpoint_label, log_scalars
+from ced.train.run_dir import metrics_records
 from evals import plots as tool_plots
+from evals.divergence import divergence_scalars
 from evals.modes import label_columns, mode_from_columns, with_mode_columns
+from evals.suites.runner import suite_scalars
 
 from . import plots
 from .arms import arms_table, job_pairs
-from .tables import capability_drop_table, geometry, load_results
+from .tables import capability_drop_table, geometry, load_results, trained_jobs
 
 FULL = "full"
 # A family whose exact-model (`full`) accuracy is below this has no competence for bounded
@@ -66,20 +73,25 @@ def load_status(study: Path) -> dict:
     return _record(Path(study) / "summary.json") or {}
 
 
-def _run_dirs(root: Path) -> list[tuple[str, Path]]:
-    """(label, directory) of every run (or suite run) under `root`: `<job>/seed<k>` for the
-    study driver's per-seed layout, `<job>` for a directory that holds a run itself."""
-    found = []
-    for top in sorted(Path(root).glob("*")):
-        if not top.is_dir() or ".old-" in top.name:
-            continue
-        seeds = sorted((d for d in top.glob("seed*") if d.is_dir() and ".old-" not in d.name),
-                       key=lambda d: (len(d.name), d.name))
-        if seeds:
-            found += [(f"{top.name}/{d.name}", d) for d in seeds]
-        else:
-            found.append((top.name, top))
-    return found
+def _run_dirs(root: Path) -> list[tuple[str, Path, RunId | None]]:
+    """(label, directory, RunId) of every run (or suite run) under `root`: the study driver's
+    model folders (`ced.run_id.identified`: label `RunId.label`), and a directory that holds a
+    run itself (label its name, no RunId)."""
+    root = Path(root)
+    models = identified(root)
+    held = {folder.parent for _, folder in models}
+    found: list[tuple[str, Path, RunId | None]] = [
+        (run_id.label, folder, run_id) for run_id, folder in
+        sorted(models, key=lambda m: (m[0].job, m[0].seed, m[0].label))]
+    for top in sorted(root.glob("*")):
+        if top.is_dir() and ".old-" not in top.name and top not in held:
+            found.append((top.name, top, None))
+    return sorted(found, key=lambda f: f[1].relative_to(root).parts[0])
+
+
+def group_of(label: str, run_id: RunId | None) -> str:
+    """What seeds are pooled under: the model's `RunId.group`, else the label itself."""
+    return run_id.group if run_id is not None else label
 
 
 def load_runs(study: Path) -> dict[str, dict]:
@@ -88,9 +100,8 @@ def load_runs(study: Path) -> dict[str, dict]:
     line is dropped, a damaged earlier line is an error), "run_dir": Path, "final": final/ or
     None, "loss_on": what the training loss counts, `answers` or `all` (the run's
     config.yaml; `all` without one)}."""
-    from ced.train.run_dir import metrics_records
     runs = {}
-    for label, run_dir in _run_dirs(Path(study) / "runs"):
+    for label, run_dir, run_id in _run_dirs(Path(study) / "runs"):
         metrics_path = run_dir / "metrics.jsonl"
         rows = ([record for _, record in metrics_records(metrics_path, [])]
                 if metrics_path.exists() else [])
@@ -100,13 +111,13 @@ def load_runs(study: Path) -> dict[str, dict]:
             config = _record(final)
         runs[label] = {"config": config, "metrics": pd.DataFrame(rows),
                        "run_dir": run_dir, "final": final.parent if config else None,
-                       "loss_on": _loss_on(run_dir)}
+                       "loss_on": _loss_on(run_dir), "run_id": run_id,
+                       "group": group_of(label, run_id)}
     return runs
 
 
 def _loss_on(run_dir: Path) -> str:
     """train.loss_on of a run (its config.yaml), `all` if unknown."""
-    from omegaconf import OmegaConf
     path = run_dir / "config.yaml"
     try:
         return str(OmegaConf.select(OmegaConf.load(path), "train.loss_on") or "all")
@@ -133,6 +144,8 @@ def load_divergence(study: Path) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     if len(table):
         table["job"] = table["checkpoint"].map(checkpoint_label)
+        table["group"] = [group_of(label, of_checkpoint(Path(path)))
+                          for label, path in zip(table["job"], table["checkpoint"])]
     return table
 
 
@@ -140,13 +153,15 @@ def load_suite(study: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(summary of every suite run with a `label` column, capability drops with `label`,
     label -> run info of the suite's summary.json)."""
     summaries, drops, info = [], [], {}
-    for label, out in _run_dirs(Path(study) / "suite"):
+    for label, out, run_id in _run_dirs(Path(study) / "suite"):
         data = _record(out / "summary.json")
         if data is None:
             continue
         info[label] = data["run"]
         summary = pd.DataFrame(data["summary"])
         summary["label"] = label
+        summary["group"] = group_of(label, run_id)
+        summary["model"] = run_id.model if run_id is not None else label
         summaries.append(summary)
         if data.get("capability_drop"):
             d = pd.DataFrame(data["capability_drop"])
@@ -188,8 +203,6 @@ def cost_table(study: Path, runs: dict, suite: pd.DataFrame, info: dict) -> pd.D
     """One row per (suite label, single-turn mode): prefill FLOPs (analytic, causal counting)
     at the suite's mean prompt length, its ratio to full, and the mode's accuracy (mean over
     families of the pooled accuracy)."""
-    from ced import ModelConfig
-    from ced.cost import prefill_flops
     rows = []
     if suite.empty:
         return pd.DataFrame()
@@ -212,7 +225,7 @@ def cost_table(study: Path, runs: dict, suite: pd.DataFrame, info: dict) -> pd.D
                 flops = prefill_flops(cfg, length, replay).total
             except ValueError:
                 continue
-            rows.append({"label": label, "job": label.split("@")[0], "variant": cfg.variant,
+            rows.append({"label": label, "job": part["model"].iloc[0], "variant": cfg.variant,
                          "mode": mode, "T": length, "prefill_flops": flops,
                          "flops_vs_full": flops / full,
                          "accuracy": float(cells["accuracy"].mean()),
@@ -223,8 +236,6 @@ def cost_table(study: Path, runs: dict, suite: pd.DataFrame, info: dict) -> pd.D
 def params_of(config: dict | None) -> int | None:
     if not config:
         return None
-    from ced import ModelConfig
-    from ced.cost import model_params
     cfg = ModelConfig(**{k: v for k, v in config.items() if k in ModelConfig.__dataclass_fields__})
     try:
         return int(model_params(cfg)["total"])
@@ -269,12 +280,9 @@ def divergence_table(div: pd.DataFrame) -> pd.DataFrame:
                                                           "greedy_agree_tokens"])]
     table = first.pivot_table(index=["job", "T", "mode", "N"], columns="metric", values="mean",
                               sort=False).reset_index()
+    if "group" in div:
+        table["group"] = table["job"].map(dict(zip(div["job"], div["group"])))
     return table
-
-
-def job_of_label(label: str) -> str:
-    """The job a run label belongs to: `<job>/seed<k>[@topk=K]` -> `<job>[@topk=K]`."""
-    return re.sub(r"/seed\d+", "", label)
 
 
 def pooled_single_turn(suite: pd.DataFrame) -> pd.DataFrame:
@@ -298,11 +306,11 @@ def _spread(job: str, what: str, mode: str, values: pd.Series, seeds: int) -> di
 def seed_spread(suite: pd.DataFrame, runs: dict) -> pd.DataFrame:
     """Per job trained with two or more seeds: the pooled suite accuracy per family and mode
     (and the last validation loss) across seeds: mean, standard deviation, min, max, seeds.
-    A run label `<job>/seed<k>[@topk=K]` belongs to job `<job>[@topk=K]`."""
+    A model read under an override is a job of its own (`RunId.group`: `<job>@topk=K`)."""
     rows = []
     if not suite.empty:
         pooled = pooled_single_turn(suite)
-        pooled = pooled.assign(job=pooled["label"].map(job_of_label))
+        pooled = pooled.assign(job=pooled["group"])
         for (job, family, mode), part in pooled.groupby(["job", "family", "mode"], sort=False):
             if part["label"].nunique() >= 2:
                 rows.append(_spread(job, f"acc {family}", mode, part["accuracy"],
@@ -312,7 +320,7 @@ def seed_spread(suite: pd.DataFrame, runs: dict) -> pd.DataFrame:
         m = run["metrics"]
         if "val/loss" in m and m["val/loss"].notna().any():
             last = float(m["val/loss"].dropna().iloc[-1])
-            losses.setdefault(job_of_label(label), []).append(last)
+            losses.setdefault(run["group"], []).append(last)
     for job, values in losses.items():
         if len(values) >= 2:
             rows.append(_spread(job, "val loss", "", pd.Series(values), len(values)))
@@ -331,7 +339,7 @@ def headline_points(suite: pd.DataFrame, info: dict) -> tuple[pd.DataFrame, dict
         if replay is False:
             continue
         n = settings.get("r_exact") if replay == "exact" else replay
-        job = job_of_label(rec["label"])
+        job = rec["group"]
         rows.append({"job": job, "family": rec["family"], "run": rec["label"],
                      "mode": rec["mode"], "N": math.nan if n is None else n,
                      "accuracy": rec["accuracy"]})
@@ -358,7 +366,7 @@ def headline_summary(points: pd.DataFrame, marks: dict, div_tab: pd.DataFrame,
         modes = with_mode_columns(div_tab)
         bounded = div_tab[modes["turn"].isna() & modes["replay_n"].notna()
                           & (modes["replay_given"] != "exact")]
-        for job, part in bounded.groupby(bounded["job"].map(job_of_label), sort=False):
+        for job, part in bounded.groupby("group", sort=False):
             smallest = part[part["N"] == part["N"].min()]
             lines.append(f"{job}: first-token KL(exact || replay N={int(smallest['N'].iloc[0])})"
                          f" up to {_fmt(float(smallest['kl'].max()))} (largest over seeds and "
@@ -501,7 +509,7 @@ def arm_comparisons(study: Path) -> pd.DataFrame:
         results = load_results(Path(study))
     except FileNotFoundError:
         return pd.DataFrame()
-    table = arms_table(results, job_pairs(Path(study), list(results["job"].unique())),
+    table = arms_table(results, job_pairs(Path(study), trained_jobs(results)),
                        geometry(Path(study)))
     return table[table["metric"].isin(["accuracy", "kl_answer"])].reset_index(drop=True)
 
@@ -725,8 +733,6 @@ def report_scalars(suite: pd.DataFrame, div: pd.DataFrame, seeds: pd.DataFrame) 
     (evals.suites' `suite_scalars` per run), first-token KL `kl/<run>/T=<T>/<mode>` (from
     evals.divergence's `divergence_scalars`), and across seeds
     `seeds/<job>/<what>/<mode>/mean` and `.../sd`."""
-    from evals.divergence import divergence_scalars
-    from evals.suites.runner import suite_scalars
     out = {}
     if not suite.empty:
         pooled = suite[suite["x"].astype(str) == "all"]
@@ -749,7 +755,7 @@ def _log_wandb(group: str, out: Path, plots, tables: dict, config: dict | None =
     """The report's plots and tables as one wandb run (job_type=report) in the study's group,
     with the study's status (steps, seeds, scale) as its config; offline unless WANDB_MODE
     says otherwise."""
-    import wandb
+    import wandb    # lazy: ~0.4 s to import, and only a report logged to wandb needs it
     run = wandb.init(project=project, group=group, job_type="report",
                      name=name or f"{group}-report", config=config or {},
                      mode=os.environ.get("WANDB_MODE", "offline"), dir=str(out),
@@ -759,13 +765,11 @@ def _log_wandb(group: str, out: Path, plots, tables: dict, config: dict | None =
         if table is not None and not table.empty:
             log[f"tables/{key}"] = wandb.Table(dataframe=table.astype(str))
     run.log(log)
-    from ced.tracking import log_scalars
     log_scalars(run, scalars or {})
     run.finish()
 
 
 def main(argv=None) -> int:
-    import argparse
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study_dir")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import pandas as pd
 
 from ced.checkpoint import load_config
 from ced.config import exact_replay_length
+from ced.run_id import of_checkpoint
 
 from . import plots
 from .tables import FULL, load_results, paired_difference, replay_label
@@ -79,12 +79,12 @@ def points(study: Path, marks: dict[str, dict]) -> pd.DataFrame:
         div = pd.read_parquet(div_path)
         div = div[(div["metric"] == "kl") & (div["step"] == 0)]
         for checkpoint, part in div.groupby("checkpoint"):
-            match = re.search(r"/runs/([^/]+)/seed(\d+)/", str(checkpoint))
-            if match is None or match[1] not in marks:
+            run_id = of_checkpoint(Path(checkpoint))
+            if run_id is None or run_id.job not in marks:
                 continue
-            at_w = part[part["mode"] == replay_label(marks[match[1]]["W"])]["value"]
+            at_w = part[part["mode"] == replay_label(marks[run_id.job]["W"])]["value"]
             if len(at_w):
-                row(match[1], int(match[2]))["kl_first"] = float(at_w.mean())
+                row(run_id.job, run_id.seed)["kl_first"] = float(at_w.mean())
     try:
         results = load_results(study)
     except FileNotFoundError:

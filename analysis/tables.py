@@ -28,8 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 from ced.records import DamagedRecord, read_json
+from ced.run_id import identified
 from ced.tracking import job_and_seed
 from evals.modes import (mode_from_columns, mode_sort_keys, named_mode, promises_exact,
                          with_mode_columns)
@@ -52,10 +54,6 @@ Z95 = 1.959963984540054
 BOOTSTRAP_RESAMPLES = 2000
 
 
-# `<job>/seed<k>` plus the evaluation-time overrides of the study driver: `@topk=K`, `@kv=SPEC`
-_LABEL = re.compile(r"^(?P<job>[^/]+)/seed(?P<seed>\d+)(?P<variant>(?:@(?:topk|kv)=[^@/]+)*)$")
-
-
 def paired_difference(b: int, c: int, n: int) -> tuple[float, float, float]:
     """Difference of two paired proportions, mode - full = (c - b) / n, with the Agresti-Min
     95% interval: the Wald interval of the 2x2 table with 0.5 added to each of its four cells
@@ -74,28 +72,29 @@ def load_results(study: Path) -> pd.DataFrame:
     a model archived by `analysis.archive` is read from its per-example outcomes.csv.gz, or (an
     older archive) its cells.csv expanded into paired examples with the same counts."""
     frames = []
-    paths = {p.parent: p for p in (study / "suite").glob(f"*/seed*/{CELLS}")}
-    paths.update({p.parent: p for p in (study / "suite").glob(f"*/seed*/{OUTCOMES}")})
-    paths.update({p.parent: p for p in (study / "suite").glob("*/seed*/results.csv")})
-    for path in sorted(paths.values()):
-        label = f"{path.parent.parent.name}/{path.parent.name}"
-        match = _LABEL.match(label)
-        if match is None:
+    for run_id, folder in identified(study / "suite"):
+        path = next((folder / name for name in ("results.csv", OUTCOMES, CELLS)
+                     if (folder / name).exists()), None)
+        if path is None:
             continue
         if path.name == CELLS:
             frame = expand_cells(pd.read_csv(path, dtype={"x": str}))
         else:
             frame = pd.read_csv(path, dtype={"x": str, "target": str, "prediction": str},
                                 low_memory=False)
-        job = match["job"] + match["variant"]
-        frames.append(frame.assign(job=job, base_job=match["job"], train_seed=int(match["seed"]),
-                                   run=label))
+        frames.append(frame.assign(job=run_id.group, base_job=run_id.job,
+                                   train_seed=run_id.seed, run=run_id.label))
     if not frames:
         raise FileNotFoundError(f"{study}/suite: no <job>/seed<k>/results.csv (run the study's "
                                 f"suite step first)")
     results = pd.concat(frames, ignore_index=True)
     results["correct"] = results["correct"].astype(bool)
     return results
+
+
+def trained_jobs(results: pd.DataFrame) -> list[str]:
+    """The jobs of `load_results` read as trained (not under an evaluation-time override)."""
+    return list(results.loc[results["job"] == results["base_job"], "job"].unique())
 
 
 def _with_pooled_x(results: pd.DataFrame) -> pd.DataFrame:
@@ -375,8 +374,11 @@ def needle_id_features(context: str, sep: str = ":") -> dict:
 def load_needle_documents(study: Path) -> pd.DataFrame:
     """run, id and needle_id_features of every needle document a study's suite evaluated."""
     rows = []
-    for path in sorted((study / "suite").glob("*/seed*/data/needle.jsonl")):
-        run = f"{path.parent.parent.parent.name}/{path.parent.parent.name}"
+    for run_id, folder in identified(study / "suite"):
+        path = folder / "data" / "needle.jsonl"
+        if not path.exists():
+            continue
+        run = run_id.label
         for line in path.read_text().splitlines():
             doc = json.loads(line)
             rows.append({"run": run, "id": doc["id"],
@@ -430,7 +432,10 @@ def needle_id_table(results: pd.DataFrame, documents: pd.DataFrame) -> pd.DataFr
 def geometry(study: Path) -> dict[str, dict]:
     """Per job: W and R_exact of its model (from a suite run's summary.json settings)."""
     out = {}
-    for path in sorted((study / "suite").glob("*/seed*/summary.json")):
+    for run_id, folder in identified(study / "suite"):
+        path = folder / "summary.json"
+        if not path.exists():
+            continue
         try:
             record = read_json(path)
         except DamagedRecord as exc:
@@ -438,10 +443,8 @@ def geometry(study: Path) -> dict[str, dict]:
                   "of the job, if any", file=sys.stderr)
             continue
         settings = record.get("run", {}).get("settings") or record.get("settings", {})
-        match = _LABEL.match(f"{path.parent.parent.name}/{path.parent.name}")
-        if match is not None:
-            out.setdefault(match["job"] + match["variant"],
-                           {"W": settings.get("window"), "R_exact": settings.get("r_exact")})
+        out.setdefault(run_id.group,
+                       {"W": settings.get("window"), "R_exact": settings.get("r_exact")})
     return out
 
 
@@ -450,18 +453,17 @@ def run_traits(study: Path) -> pd.DataFrame:
     W, shift_tokens, the replay-simulation probability and length it was trained with, and
     `arm`: `sim` (replay simulation on) or `no_sim`, with `+shift<s>` when the model mixes input
     tokens. Empty when the study has no run configs."""
-    from omegaconf import OmegaConf
     rows = []
-    for path in sorted((study / "runs").glob("*/seed*/config.yaml")):
-        match = re.fullmatch(r"seed(\d+)", path.parent.name)
-        if match is None:
+    for run_id, folder in identified(study / "runs"):
+        path = folder / "config.yaml"
+        if not path.exists():
             continue
         cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         model, replay = cfg.get("model", {}), cfg.get("train", {}).get("replay", {})
         probability = float(replay.get("probability") or 0.0)
         shift = int(model.get("shift_tokens") or 0)
         arm = ("sim" if probability > 0 else "no_sim") + (f"+shift{shift}" if shift else "")
-        rows.append({"job": path.parent.parent.name, "seed": int(match.group(1)),
+        rows.append({"job": run_id.job, "seed": run_id.seed,
                      "L_d": model.get("n_decoder_layers"), "W": model.get("window"),
                      "shift_tokens": shift, "replay_probability": probability,
                      "replay_length": replay.get("length") if probability > 0 else None,

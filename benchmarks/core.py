@@ -70,6 +70,7 @@ def seed_everything(seed: int = SEED) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     try:
+        # optional here: a machine without numpy still seeds random and torch
         import numpy as np
         np.random.seed(seed)
     except ImportError:  # pragma: no cover

@@ -347,8 +347,11 @@ def _markdown_kv_training_targets(res: dict) -> list[str]:
 
 def plot(res: dict, path: Path) -> bool:
     try:
+        # lazy and optional: matplotlib costs ~0.3 s to import, only the figure needs it, and
+        # a machine without it still gets the JSON and the table
         import matplotlib
         matplotlib.use("Agg")
+        # imported after the backend is chosen (matplotlib.use above)
         import matplotlib.pyplot as plt
         from matplotlib.ticker import NullFormatter
     except ImportError:

@@ -59,6 +59,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
@@ -265,7 +266,6 @@ def op_group(name: str) -> str:
 def profile_step(run, step: int, totals: dict) -> float:
     """One training step of `run` under torch.profiler: adds each op's self CPU ms and calls
     into `totals` (op -> [ms, calls]); returns the step's wall ms under the profiler."""
-    from torch.profiler import ProfilerActivity, profile
     started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         trainer._train_step(run, step)

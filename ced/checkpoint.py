@@ -12,6 +12,7 @@ file and what is wrong, so entry points can print it instead of a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -27,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
 from .model import CEDModel
+from .quant import parse_kv_override
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -263,7 +265,6 @@ def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
     i.e. top-k = max_seq_len) and `kv` (storage formats, `ced.quant.parse_kv_override`, e.g.
     "global:fp4_block16"). Neither changes a parameter's shape, so any checkpoint's weights
     load into the result. A ValueError names `topk` or the bad `kv` part."""
-    import dataclasses
     changes: dict = {}
     if stated_override(topk) is not None:
         all_entries = str(topk).lower() == "all"
@@ -277,7 +278,6 @@ def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
         if cfg.topk is not None and k != cfg.topk:
             changes["topk"] = k
     if stated_override(kv) is not None:
-        from .quant import parse_kv_override
         changes.update(parse_kv_override(kv))
     return dataclasses.replace(cfg, **changes) if changes else cfg
 

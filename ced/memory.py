@@ -27,12 +27,14 @@ measured peak RSS of real runs (tests/integration/test_fault_lines.py, within
 from __future__ import annotations
 
 import os
+import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .cost import model_params
 from .train_config import ConfigError
 
 # bytes per parameter held during training: fp32 weight, gradient, AdamW exp_avg, exp_avg_sq
@@ -69,7 +71,6 @@ class Estimate:
 
 def static_bytes(model_cfg) -> int:
     """Weights, gradients and AdamW state of a model config, without building it."""
-    from .cost import model_params
     return model_params(model_cfg)["total"] * BYTES_PER_PARAM
 
 
@@ -232,7 +233,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def oom_summary(exc: BaseException) -> str:
     """What an allocation failure tried to allocate, in a few words (CPU: 'could not allocate
     1.2 GiB'; CUDA: its 'Tried to allocate ...')."""
-    import re
     text = str(exc)
     match = re.search(r"tried to allocate (\d+) bytes", text)
     if match:

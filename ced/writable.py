@@ -98,6 +98,8 @@ def check_hydra_output(argv: list[str], config_file: str | os.PathLike) -> None:
     if given:
         value = given[-1]
     else:
+        # lazy: OmegaConf costs ~0.1 s to import; check_output_dir, which the argparse tools
+        # use, never needs it
         from omegaconf import OmegaConf
         node = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False)
         for part in key.split("."):      # unresolved: ${now:...} only resolves inside Hydra

@@ -26,21 +26,25 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
 import numpy as np
+import pandas as pd
 import torch
+from omegaconf import OmegaConf
 
 from ced import InferenceEngine, exact_replay_length
 from ced.checkpoint import CheckpointError, load_model
+from ced.cli import check_override_keys, fail
 from ced.config import default_hidden_tail, describe_replays, state_replay
-from ced.tracking import checkpoint_label
+from ced.tracking import checkpoint_label, log_scalars, use_checkpoints
 from ced.data import build_source
 from ced.memory import is_out_of_memory, oom_summary
 from ced.records import write_json
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
+from ced.train_config import ConfigError
 from ced.writable import OutputDirError, check_hydra_output, check_output_dir
 
 from .modes import Mode, mode_generate, mode_logits, named_mode
@@ -208,7 +212,6 @@ def bootstrap_ci(values: np.ndarray, resamples: int, rng: np.random.Generator):
 def checkpoint_data(checkpoint: str | Path) -> Any:
     """The training data config of a checkpoint: the `data` of its run's config.yaml (the
     directory above `final/`), or "synthetic" when there is none."""
-    from omegaconf import OmegaConf
     path = Path(checkpoint).parent / "config.yaml"
     try:
         data = OmegaConf.to_container(OmegaConf.select(OmegaConf.load(path), "data"),
@@ -225,7 +228,6 @@ def load_prompts(c: DivergenceConfig, length: int,
     data = c.prompts.data if c.prompts.data is not None else (
         checkpoint_data(checkpoint) if checkpoint is not None else "synthetic")
     if isinstance(data, str):
-        from omegaconf import OmegaConf
         data = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "data" / f"{data}.yaml"))
     source = build_source(data, c.prompts.split)
     rows = source.rows(c.prompts.start_row, c.prompts.count, length + c.steps)
@@ -362,7 +364,6 @@ def summarise(rows: list[dict], resamples: int, seed: int) -> list[dict]:
 
 
 def write_outputs(c: DivergenceConfig, rows: list[dict], out_dir: Path) -> None:
-    import pandas as pd
     out_dir.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(rows)
     table.to_csv(out_dir / "divergence.csv", index=False)
@@ -371,10 +372,8 @@ def write_outputs(c: DivergenceConfig, rows: list[dict], out_dir: Path) -> None:
     write_json(out_dir / "summary.json", summary)   # the driver's "done" mark: never torn
     plots = plot(table, summary, out_dir)
     if c.wandb.enabled:
+        # lazy: wandb costs ~0.4 s to import, and only a run with wandb enabled needs it
         import wandb
-        from dataclasses import asdict
-
-        from ced.tracking import log_scalars, use_checkpoints
         run = wandb.init(project=c.wandb.project, group=c.wandb.group, job_type="divergence",
                          tags=list(c.wandb.tags), mode=c.wandb.mode, dir=str(out_dir),
                          config=asdict(c))
@@ -390,7 +389,6 @@ def write_outputs(c: DivergenceConfig, rows: list[dict], out_dir: Path) -> None:
 def divergence_scalars(summary: list[dict]) -> dict[str, float]:
     """Mean KL(exact || mode) and top-1 agreement at the first generated token, per checkpoint,
     prompt length and mode, as flat scalars (`kl/<run>/T=<T>/replay=<N>`) for dashboards."""
-    from ced.tracking import checkpoint_label
     out = {}
     for row in summary:
         if row["step"] != 0 or row["metric"] not in ("kl", "top1_agree"):
@@ -404,6 +402,8 @@ def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
     """Write the run's figures (evals.plots): KL and top-1 agreement at the first generated
     position against N (`kl_vs_replay.png`, `top1_agree_vs_replay.png`) and the per-layer error
     by offset inside the replay segment (`layer_error_by_offset.png`)."""
+    # lazy: evals.plots loads matplotlib (~0.6 s); the readers of divergence_scalars and
+    # checkpoint_data (analysis.report, evals.real_text) draw nothing
     from . import plots
     figures = [(plots.divergence_figure(summary, metrics=(metric,), title=None),
                 f"{metric}_vs_replay.png") for metric in plots.DIVERGENCE_METRICS]
@@ -415,10 +415,8 @@ def plot(table, summary: list[dict], out_dir: Path) -> list[Path]:
 # ---- entry point ---------------------------------------------------------------------------------
 
 def _hydra_task(cfg) -> None:
+    # lazy: Hydra costs ~0.2 s to import; only a run inside the Hydra app calls this
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    from ced.cli import fail
     try:
         schema = OmegaConf.structured(DivergenceConfig)
         config: DivergenceConfig = OmegaConf.to_object(OmegaConf.merge(
@@ -450,13 +448,12 @@ def main() -> None:
     # in prompts.data then fails at once instead of after half a minute of retries.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from ced.cli import check_override_keys
-    from ced.train_config import ConfigError
     try:     # Hydra's own message for a bad override spans several lines and exits 1
         check_override_keys(sys.argv[1:], DivergenceConfig())
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
+    # lazy: Hydra costs ~0.2 s to import; only running the command needs it
     import hydra
     try:      # before Hydra creates its run directory and opens its log file there
         check_hydra_output(sys.argv[1:], Path(CONF_DIR) / "divergence.yaml")

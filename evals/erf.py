@@ -53,10 +53,11 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.data.registry import TASKS, make_example
 from ced.inference.engine import Cache
 from ced.model import ModelState
+from ced.run_id import of_checkpoint
 from ced.tracking import job_and_seed
 
 from . import plots
-from .cli import option
+from .cli import build_parser, config_from_args, option
 from .modes import replay_lengths
 
 SHARES = (0.99, 0.999)
@@ -297,11 +298,10 @@ def verdict(name: str, s: dict) -> str:
 # ---- the run ------------------------------------------------------------------------------
 
 def job_of(checkpoint: Path) -> str:
-    """`<job>/seed<k>` of `.../runs/<job>/seed<k>/final` -> its job; else the directory name."""
-    parts = checkpoint.resolve().parts
-    for i, part in enumerate(parts):
-        if part.startswith("seed") and part[4:].isdigit() and i > 0:
-            return parts[i - 1]
+    """The job of a study's checkpoint (`ced.run_id`); else the run directory's name."""
+    run_id = of_checkpoint(checkpoint.resolve())
+    if run_id is not None:
+        return run_id.job
     return checkpoint.resolve().parent.name if checkpoint.name == "final" else checkpoint.name
 
 
@@ -433,7 +433,6 @@ def run_config(c: ErfConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import build_parser, config_from_args
     p = build_parser(ErfConfig, prog="python -m evals.erf", description=__doc__.split("\n\n")[0])
     c = config_from_args(ErfConfig, p.parse_args(argv))
     try:

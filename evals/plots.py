@@ -25,6 +25,8 @@ from typing import Iterable, Mapping, Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
+from ced.inference import POLICIES
+from ced.tracking import checkpoint_label
 from evals.modes import with_mode_columns
 
 FULL = "full"
@@ -71,7 +73,6 @@ def divergence_figure(summary: pd.DataFrame | Sequence[Mapping],
     checkpoint, T, mode, N, metric, step, mean, ci_low, ci_high, r_exact. Modes other than
     `replay=...` (`replay=exact` sits at N = R_exact) and steps other than 0 are ignored. None
     if no row is left."""
-    from ced.tracking import checkpoint_label
     table = pd.DataFrame(summary)
     if table.empty:
         return None
@@ -183,7 +184,6 @@ def accuracy_figure(summary: pd.DataFrame | Sequence[Mapping], *, replays: Seque
 
 def _mode_style(cell: Mapping, index: int, colors: Mapping[int, str]) -> dict:
     """A mode's line, from a summary row with the mode's columns (`with_mode_columns`)."""
-    from ced.inference import POLICIES
     if cell["mode"] == FULL:
         return dict(color="black", lw=2.2, marker="o", zorder=5)
     if cell["replay_given"] == "exact" and math.isnan(cell["turn"]):

@@ -53,7 +53,9 @@ Writes into --out:
 from __future__ import annotations
 
 import json
+import lzma
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -61,19 +63,22 @@ from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
+import pandas as pd
 import torch
 
 from ced import exact_replay_length
-from ced.checkpoint import CheckpointError, load_model
+from ced.checkpoint import CheckpointError, load_config, load_model
 from ced.config import describe_replays, parse_replay_form, replay_length, state_replay
+from ced.data.corpora import in_validation, stdlib_paths, stdlib_streams
 from ced.data.tokenizer import ByteTokenizer
 from ced.memory import is_out_of_memory, oom_summary
-from ced.tracking import job_and_seed
+from ced.tracking import job_and_seed, log_scalars, use_checkpoints
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import check_output_dir
 
 from .cli import build_parser, config_from_args, list_written, option
 from .code_tokens import Annotation, annotate, classify, group_of
+from .divergence import checkpoint_data
 from .suites.stats import crossed_bootstrap, percentile_interval
 
 _TOK = ByteTokenizer()
@@ -88,7 +93,6 @@ DEFAULT_REPLAYS = ("1", "W/2", "W", "2W", "R_exact")
 def validation_files(fraction: float = 0.05) -> list[tuple[str, bytes]]:
     """(relative path, bytes) of every stdlib file in the validation split of `data=stdlib`
     with this `validation_fraction` (ced.data.corpora: the same hash, the same files)."""
-    from ced.data.corpora import in_validation, stdlib_paths
     out = []
     for rel, path in stdlib_paths():
         if in_validation(rel, fraction):
@@ -207,7 +211,6 @@ def token_table(scores: dict[str, np.ndarray], rows: Rows, names: list[str],
     """The scores as a DataFrame with file, byte (offset in the file of the predicted byte),
     start (file offset of the replay start; -1 when it is the BOS before the file) and class.
     Files `tokenize` rejected keep their bytes, as class `unparsed`."""
-    import pandas as pd
     row = scores["row"]
     file = rows.file.numpy()[row]
     byte = rows.offset.numpy()[row] + scores["position"]       # stream offset - 1
@@ -288,7 +291,6 @@ def class_summary(part, resamples: int, seed: int) -> dict:
 def by_class(table, replays: dict[str, int], continuation: int, level: str,
              resamples: int = 1000, seed: int = 0):
     """kl_by_class rows: per (`level` key: checkpoint or job), N and class group (and `all`)."""
-    import pandas as pd
     out = []
     for key, unit in table.groupby(level):
         for label, n, part in replay_groups(unit, replays, continuation):
@@ -336,7 +338,6 @@ def ngram_nll(train: np.ndarray, targets: np.ndarray, previous: np.ndarray,
 def stdlib_fraction(checkpoint: str) -> float:
     """The validation_fraction of a checkpoint's `data=stdlib` (its run's config.yaml); a
     checkpoint trained on other data is refused: its held-out split is not these files."""
-    from .divergence import checkpoint_data
     data = checkpoint_data(checkpoint)
     if not isinstance(data, dict) or data.get("kind") != "stdlib":
         kind = data.get("kind") if isinstance(data, dict) else data
@@ -433,7 +434,6 @@ def xz_nll(files: list[bytes], context: int) -> dict[str, float]:
                    after them, i.e. xz's cost of the bytes the model scores given the prefix
                    the model has too (xz then reads the whole file back; the model at most its
                    row)."""
-    import lzma
     raw = [{"id": lzma.FILTER_LZMA2, "preset": 9}]
 
     def size(data: bytes) -> int:
@@ -453,7 +453,6 @@ def xz_nll(files: list[bytes], context: int) -> dict[str, float]:
 def baselines(fraction: float, rows: Rows, files: list[bytes], context: int) -> dict[str, float]:
     """Unigram and bigram NLL on the scored bytes of `rows`, counted on the train split, and
     `xz -9` on the held-out `files` (`xz_nll`)."""
-    from ced.data.corpora import stdlib_streams
     train = stdlib_streams(fraction)["train"].numpy().astype(np.int64)
     targets = next_tokens(rows.ids)[rows.scored].numpy()
     previous = rows.ids[rows.scored].numpy()
@@ -491,7 +490,6 @@ def run(config: RealTextConfig) -> dict:
     """Score every checkpoint, write the tables and plots into `config.out` (and, unless
     `config.wandb` is off, into an offline-by-default wandb run); returns their paths. Bad
     settings are a ValueError naming the option."""
-    import pandas as pd
     c = config
     if c.passes < 1:
         raise ValueError(f"--passes must be >= 1; got {c.passes}")
@@ -502,7 +500,6 @@ def run(config: RealTextConfig) -> dict:
     for form in replays:                    # every argument, before the first model costs minutes
         parse_replay_form(form, "--replays")
     parse_replay_form(continuation, "--continuation")
-    from ced.checkpoint import load_config
     for checkpoint in checkpoints:
         geometry(load_config(checkpoint), checkpoint, replays, continuation, context, passes)
     fractions = {stdlib_fraction(checkpoint) for checkpoint in checkpoints}
@@ -564,12 +561,8 @@ def _log_wandb(out: Path, settings: dict, written: dict, project: str = "ced",
                group: str | None = None) -> None:
     """The tables, plots and scalars in a wandb run (offline unless WANDB_MODE says
     otherwise; `wandb sync <out>/wandb/offline-run-*`), the checkpoints as its inputs."""
-    import os
-
-    import pandas as pd
+    # lazy: wandb costs ~0.4 s to import, and only a run that logs to wandb needs it
     import wandb as wb
-
-    from ced.tracking import log_scalars, use_checkpoints
     run = wb.init(project=project, dir=str(out), job_type="real_text",
                   group=group or os.environ.get("WANDB_RUN_GROUP") or "real_text",
                   mode=os.environ.get("WANDB_MODE", "offline"), config=settings)
@@ -598,6 +591,8 @@ def _write_tables(table, forms: dict, replays: list[str], resamples: int,
 
 
 def _write_figures(position, table, classes, out: Path) -> dict[str, Path]:
+    # lazy: evals.plots loads matplotlib (~0.6 s), needed only once figures are written;
+    # evals.lmeval.code_tasks imports this module and draws nothing
     from . import plots
     geometry = table.groupby("job")[["W", "R_exact"]].first()
     marks = {job: {"W": int(r.W), "R_exact": int(r.R_exact)} for job, r in geometry.iterrows()}
@@ -614,7 +609,6 @@ def _write_figures(position, table, classes, out: Path) -> dict[str, Path]:
 
 def _class_tables(table, forms: dict, replays: list[str], resamples: int):
     """kl_by_class: per checkpoint (example-level CIs) and per job (seed-level CIs)."""
-    import pandas as pd
     parts = []
     for checkpoint, unit in table.groupby("checkpoint"):
         lengths, g = forms[checkpoint]
@@ -649,7 +643,6 @@ def read_lm_eval(root: Path, runs: list[Path] | None = None):
     """Every lm-eval run of `lm_eval_runs(root)` (its samples files come from --log_samples),
     or only those in `runs`, as suite-style results: job, train_seed, run, mode, family (the
     task without `ced_`), x (distance bin), id, correct, distance, file."""
-    import pandas as pd
     rows = []
     wanted = None if runs is None else {Path(r).resolve() for r in runs}
     for run_dir, job, seed, mode in lm_eval_runs(root):

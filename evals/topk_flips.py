@@ -37,7 +37,7 @@ from ced.checkpoint import CheckpointError, load_model
 from ced.semantics import visible_entries
 from ced.quant import parse_kv_override
 
-from .cli import option
+from .cli import build_parser, config_from_args, option
 from .erf import build_prompts, job_of
 
 
@@ -152,7 +152,6 @@ class TopkFlipsConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import build_parser, config_from_args
     c = config_from_args(TopkFlipsConfig, build_parser(
         TopkFlipsConfig, prog="python -m evals.topk_flips",
         description=__doc__.split("\n\n")[0]).parse_args(argv))

@@ -12,9 +12,13 @@ training config needs a fresh Hydra while the driver itself is a Hydra app.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+
+from ced.cli.train import compose_config, set_offline_defaults
+from ced.train_config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,9 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m experiments.check_jobs [--configs] JOBS.json", file=sys.stderr)
         return 2
-    import dataclasses
-    from ced.cli.train import compose_config, set_offline_defaults
-    from ced.train_config import ConfigError
     set_offline_defaults()
     for job in json.loads(Path(args[0]).read_text()):
         try:

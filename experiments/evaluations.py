@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ced.checkpoint import load_config
+from ced.run_id import IDENTITY, RunId, write_run_id
+
 from .freshness import STAMP, plain, step_decision
 from .steps import banner, step_record, stream, write_stamp
 from .study import config_hash
@@ -55,7 +58,10 @@ class EvaluationSteps:
         when it exits 0 and `done` exists, recorded failed otherwise (with `failure`'s extra
         fields). True when the step is done (skipped or ok)."""
         key, out, digest = step["key"], step["out"], step["hash"]
+        run_id = step.get("run_id")
         if self._fresh(label, step):
+            if run_id is not None and not (out / IDENTITY).exists():
+                write_run_id(out, run_id)       # a folder of an older driver, brought up to date
             self.record(key, "skipped", out=str(out), hash=digest)
             return True
         for path in (out / STAMP, *clear):
@@ -69,6 +75,8 @@ class EvaluationSteps:
         code, tail = run()
         secs = round(time.time() - t0, 1)
         if code == 0 and step["done"].exists():
+            if run_id is not None:
+                write_run_id(out, run_id)
             write_stamp(out, step_record(step, **stamp))
             self.record(key, "ok", out=str(out), seconds=secs, hash=digest)
             return True
@@ -89,7 +97,6 @@ class EvaluationSteps:
         applies to. Each: key, label, run (the training run it reads), out, done, hash,
         inputs (the options, what the tool computes besides, the training hashes), written,
         options, reading."""
-        from ced.checkpoint import load_config
         section = self.spec.evaluations[tool.name]
         checkpoints = self.checkpoints(all_jobs=tool.scope == OVER_MODELS)
         configs = {label: load_config(final) for label, (final, _) in checkpoints.items()}
@@ -101,23 +108,27 @@ class EvaluationSteps:
         if tool.scope == OVER_MODELS:
             return [self._tool_step(tool, section, tool.name,
                                     Reading(usable, configs, reference))], ""
+        models = self.run_ids(all_jobs=True)
         return [self._tool_step(tool, section, label, Reading({label: ckpt}, configs, reference,
-                                                               variant))
+                                                               variant),
+                                models[label].under(**variant))
                 for label, ckpt in usable.items()
                 for variant in tool.variants(section, configs[label])], ""
 
     def _tool_step(self, tool: EvaluationTool, section: Any, run: str,
-                   reading: Reading) -> dict:
+                   reading: Reading, run_id: RunId | None = None) -> dict:
         """One step of `tool` (see `tool_steps`); `run`: the training run it reads (the tool's
-        name for a step over models)."""
-        label = run + "".join(f"@{k}={v}" for k, v in reading.variant.items() if v is not None)
+        name for a step over models); `run_id`: a per model step's model and overrides (its
+        folder's name and run.json)."""
+        label = run if run_id is None else run_id.label
         options = tool.options(section, reading)
         trained = sorted(digest for _, digest in reading.checkpoints.values())
         inputs = {tool.hashed_as or tool.name: options, **tool.computed(options, reading),
                   "trained": trained if tool.scope == OVER_MODELS else trained[0]}
         key = tool.name if tool.scope == OVER_MODELS else f"{tool.name}/{label}"
         out = self.out / key
-        return {"key": key, "label": label, "run": run, "out": out, "done": out / tool.done,
+        return {"key": key, "label": label, "run": run, "run_id": run_id, "out": out,
+                "done": out / tool.done,
                 "hash": config_hash(inputs), "inputs": inputs,
                 "written": {tool.name: plain(section)}, "options": options, "reading": reading}
 
@@ -167,6 +178,8 @@ class EvaluationSteps:
             for step in runs:
                 current.append(step["out"])
                 self._lm_eval_run(step)
+        # lazy: analysis.real_text costs ~0.3 s to import (its plots), and only a study with
+        # lm-eval modes gets here
         from analysis.real_text import write_lm_eval
         try:
             written = write_lm_eval(self.out / "real_text" / "lm_eval", self.out / "real_text",
@@ -178,7 +191,6 @@ class EvaluationSteps:
     def _lm_eval_steps(self):
         """Per checkpoint lm-eval reads, as they would run now: (its code-tasks step, its
         lm-eval run steps, one per mode and task group)."""
-        from ced.checkpoint import load_config
         spec, root = self.spec.evaluations["real_text"], self.out / "real_text" / "lm_eval"
         args = ["--examples", str(spec.lm_eval_examples), "--context",
                 str(spec.lm_eval_context), "--min-distance", str(spec.lm_eval_min_distance),

@@ -7,6 +7,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from ced.records import DamagedRecord, read_json, set_aside
 
 # the record each step leaves in its directory (the hash of its inputs, and the inputs)
@@ -17,12 +19,8 @@ def plain(value: Any) -> Any:
     """A study spec section (a dataclass or an OmegaConf node) as plain JSON-able data."""
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value)
-    except ImportError:     # plain data needs no OmegaConf
-        pass
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value)
     return value
 
 

@@ -18,6 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ced.signals import Interrupted, StopSignals, continue_command
+from evals.cli import unknown_keys
+
 from .tools import TOOLS, EvaluationTool
 
 USAGE = "usage: python -m experiments.job KIND CONFIG.json [THREADS] [--module MODULE]"
@@ -39,11 +46,6 @@ def find_tool(kind: str, module: str | None = None) -> EvaluationTool:
 def load_job(kind: str, raw: dict, module: str | None = None) -> tuple[Any, Callable[[Any], Any]]:
     """(the config of tool `kind` built from `raw`, the function that runs it), after
     importing `module` (`find_tool`). Unknown kinds and keys are ValueErrors naming them."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from evals.cli import unknown_keys
-
     cls, run = find_tool(kind, module).load()
     if bad := unknown_keys(cls, list(raw)):
         allowed = ", ".join(f.name for f in dataclasses.fields(cls))
@@ -88,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if len(args) == 3:
-        import torch
         torch.set_num_threads(int(args[2]))
-    from ced.signals import Interrupted, StopSignals, continue_command
     try:
         with StopSignals(enabled=TOOLS[kind].stops_between_batches):
             run(config)

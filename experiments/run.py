@@ -53,13 +53,19 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, List, Optional
 
+from omegaconf import OmegaConf
+
 from ced.presets import known_studies
 from ced.records import DamagedRecord, read_json, write_json
+from ced.run_id import RunId
+from ced.runlock import DirectoryLocked, directory_lock
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
+from ced.writable import OutputDirError, check_output_dir
 
 from .evaluations import EvaluationSteps
 from .freshness import STAMP
@@ -228,11 +234,15 @@ class Study(TrainingRuns, EvaluationSteps):
                 time.time() - self.started, 1)}]})
 
     def runs(self, all_jobs: bool = False) -> list[tuple[str, int, str]]:
-        """(job, seed, label) of every training run, label = '<job>/seed<k>'; only the jobs of
-        `jobs=` unless `all_jobs`."""
-        return [(job.name, seed, f"{job.name}/seed{seed}")
+        """(job, seed, label) of every training run, label = '<job>/seed<k>' (`RunId.model`);
+        only the jobs of `jobs=` unless `all_jobs`."""
+        return [(job.name, seed, RunId(job.name, seed).model)
                 for job in self.spec.jobs for seed in self.spec.seeds_of(job)
                 if all_jobs or self.jobs is None or job.name in self.jobs]
+
+    def run_ids(self, all_jobs: bool = False) -> dict[str, RunId]:
+        """label -> RunId of every training run (see `runs`)."""
+        return {label: RunId(job, seed) for job, seed, label in self.runs(all_jobs)}
 
     def run_job(self, tool: EvaluationTool, config: dict, config_file: Path,
                 log: Path) -> tuple[int, str]:
@@ -275,11 +285,12 @@ class Study(TrainingRuns, EvaluationSteps):
         path = self.out / "report" / "report.html"
         self.record("report", "ok", path=str(path))     # what the report shows about itself
         try:
+            # imported inside the try: a report that fails even to import must not fail the
+            # study whose results are already written
             from analysis.report import build_report
             path = build_report(self.out, wandb=self.wandb, group=self.group,
                                 project=self.project)
         except Exception as exc:    # a broken report must not hide the study's results
-            import traceback
             traceback.print_exc()
             self.record("report", "failed", error=f"{type(exc).__name__}: {exc}")
             return None
@@ -299,12 +310,10 @@ def run_study(opts: DriverConfig) -> int:
     out = Path(opts.out or ROOT / "outputs" / "studies" / spec.name).resolve()
     if opts.only == "plan":
         return _run_study(opts, spec, out)
-    from ced.writable import OutputDirError, check_output_dir
     try:
         check_output_dir(out, "out")
     except OutputDirError as exc:
         raise StudyError(str(exc)) from None
-    from ced.runlock import DirectoryLocked, directory_lock
     try:
         with directory_lock(out, "study"), _DriverSignals():
             return _run_study(opts, spec, out)
@@ -398,7 +407,6 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     print(f"[study] {spec.name} (scale={spec.scale}): {len(per_job)} jobs x {seeds} -> {out}",
           flush=True)
     if opts.only == "plan":
-        from omegaconf import OmegaConf
         print(OmegaConf.to_yaml(spec.as_written()), flush=True)
         # a plan that would refuse a step (or a job's config) fails, as the run would
         bad = [r for r in study.plan() if r["action"] in ("config_error", "refuse")]
@@ -426,9 +434,10 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
 
 
 def _hydra_task(cfg) -> int:
+    # lazy: Hydra costs ~0.2 s to import, and only the console entry runs under it (the
+    # tests and tools that call run_study do not)
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from omegaconf import OmegaConf
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         raw = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"}
@@ -449,8 +458,7 @@ def _hydra_task(cfg) -> int:
 
 def main() -> None:
     """Console entry (`ced-study`): Hydra main over conf/study.yaml."""
-    import hydra
-    from omegaconf import OmegaConf
+    import hydra        # lazy: ~0.2 s, for the console entry only (see _hydra_task)
     # --help's study list (conf/study.yaml's help template) is read from conf/experiment/
     OmegaConf.register_new_resolver("ced_studies", lambda: ", ".join(known_studies()),
                                     replace=True)

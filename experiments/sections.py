@@ -11,7 +11,14 @@ import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ced import ModelConfig, exact_replay_length
+from ced.config import is_window_form, replay_length
 from ced.presets import StudyError
+from ced.quant import parse_kv_override
+from evals.cli import unknown_keys
 
 # the metadata of a schema field the loader sets, not the file (a file that names it is refused)
 SET_BY_LOADER = {"set_by_loader": True}
@@ -83,8 +90,6 @@ def resolve_lengths(values: list, cfg) -> list:
     `ced.config.replay_length`) -> ints, for `cfg`: a ModelConfig, or a checkpoint's
     config.json as a dict. 'exact' stays as written; 'R_exact' is dropped for a model without a
     decoder; duplicates dropped, order kept."""
-    from ced import ModelConfig
-    from ced.config import replay_length
     model = cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_dict(cfg)
     out = []
     for v in values:
@@ -140,14 +145,14 @@ def check_suite_values(suite: SuiteSpec, where: str) -> None:
     """The suite's distances (ints, W forms, R_exact), its `options` (SuiteConfig fields the
     driver does not set, each value against its type) and KV overrides, before any model;
     `where` prefixes every error (e.g. 'study x: suite.')."""
-    from ced.config import is_window_form
     for i, d in enumerate(suite.distances):
         text = d.replace(" ", "") if isinstance(d, str) else None
         if not ((type(d) is int and d >= 1) or text == "R_exact"
                 or (text is not None and is_window_form(text))):
             raise StudyError(f"{where}distances[{i}]: expected an int >= 1, a W form "
                              f"(W, W/4, 2W) or R_exact; got {d!r}")
-    from evals.cli import unknown_keys
+    # lazy: evals.suites.runner costs ~0.3 s to import (its families, pandas); the study
+    # driver's start-up does not need it
     from evals.suites.runner import SuiteConfig
     bad = unknown_keys(SuiteConfig, list(suite.options)) + sorted(
         set(suite.options) & set(SUITE_DRIVEN))
@@ -156,14 +161,11 @@ def check_suite_values(suite: SuiteSpec, where: str) -> None:
         raise StudyError(f"{where}options: {bad} cannot be set here; allowed: "
                          f"{', '.join(allowed)} (replays, turns, distances, top-k and kv have "
                          "their own suite keys)")
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
     try:                    # each value against its field's type, before any model
         OmegaConf.merge(OmegaConf.structured(SuiteConfig), dict(suite.options))
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
         raise StudyError(f"{where}options.{key}: {str(exc).splitlines()[0]}") from None
-    from ced.quant import parse_kv_override
     for i, spec in enumerate(suite.kv):
         if spec is not None:
             try:
@@ -192,7 +194,6 @@ def suite_options(spec, ref, own, topk: Any = None, kv: Any = None) -> dict[str,
     replays = [v for v in resolve_lengths(list(spec.replay), own if own.has_decoder else ref)
                if v != "exact"]
     if spec.below_exact and own.has_decoder:
-        from ced import exact_replay_length
         replays = [v for v in replays if v < exact_replay_length(own)] or replays[:1]
     options: dict[str, Any] = {**spec.options, "replays": [str(v) for v in replays],
                                "examples": spec.examples}
@@ -220,6 +221,8 @@ def suite_computed(options: dict[str, Any], own) -> dict[str, Any]:
     `ced.inference.POLICIES`). Without them a new policy or family would leave a finished
     suite fresh, never read; each key is present only where it changes what is computed, so
     a step it does not touch keeps its hash."""
+    # lazy: evals.suites.families costs ~0.3 s to import, which the study driver's start-up
+    # does not need; and both registries are read as they are when this is called
     from ced.inference import POLICIES
     from evals.suites.families import FAMILIES
     named = options.get("families")
@@ -251,8 +254,8 @@ def erf_options(spec: dict[str, Any], own) -> dict[str, Any]:
     takes, and the prompt lengthened to R_exact + W where the given length would cut the
     decoder's reach (influence from beyond the prompt would go unmeasured, and the share beyond
     W read low)."""
-    from ced import exact_replay_length
-    from ced.config import is_window_form, replay_length
+    # lazy: evals.erf loads matplotlib (~0.5 s with its own imports); the study driver's
+    # start-up does not need it
     from evals.erf import ErfConfig
 
     def resolve(value: Any, key: str) -> Any:

@@ -11,9 +11,17 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
+
+from ced.run_id import RunId, write_run_id
+from ced.train.run_dir import existing_run
+from ced.train_config import ConfigError, validate
 
 from .continuation import Extension, extension
 from .freshness import STAMP
@@ -77,16 +85,11 @@ def trained_view(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / "config.yaml"
     if not path.exists():
         return None
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    from ced.train_config import ConfigError, validate
     try:
         config = validate(OmegaConf.load(path))
     except (ConfigError, ValueError, OSError):
         return None
-    return json.loads(json.dumps(training_view(dataclasses.asdict(config)), default=str))
+    return json.loads(json.dumps(training_view(asdict(config)), default=str))
 
 
 def describe_config_change(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -203,7 +206,6 @@ class TrainingRuns:
         records ({"label", "error"}, and with `configs` {"label", "config"})."""
         if not jobs:
             return []
-        import tempfile
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
             json.dump(jobs, handle)
         try:
@@ -261,6 +263,9 @@ class TrainingRuns:
             write_stamp(run_dir, {**stamp, "hash": digest, "overrides": wanted,
                                    "rehashed_from": stamp["hash"]})
         if action == "skip":
+            # which model the folder holds, as fields (`analysis.layout`): an older driver's
+            # finished run gets its record here
+            write_run_id(run_dir, RunId(job_name, seed))
             print(f"[study] train {label}: {reason}, skipped", flush=True)
             self.record(key, "skipped", run_dir=str(run_dir), hash=digest)
             return None
@@ -293,6 +298,7 @@ class TrainingRuns:
         source = self.reusable(digest) if action == "train" else None
         if source is not None:
             shutil.copytree(source, run_dir, dirs_exist_ok=True)
+            write_run_id(run_dir, RunId(job_name, seed))    # not the source's
             write_stamp(run_dir, {"hash": digest, "overrides": wanted, "job": job_name,
                                    "seed": seed, "reused_from": str(source)})
             print(f"[study] train {label}: the same training run (hash {digest}) is done "
@@ -308,7 +314,6 @@ class TrainingRuns:
         """Train one run with `ced.train` (resumes from its last checkpoint) and record it."""
         key, run_dir = f"train/{label}", self.run_dir(label)
         job = next(j for j in self.spec.jobs if j.name == job_name)
-        from ced.train.run_dir import existing_run
         # resume=auto only continues a run: a directory that holds none starts a new one
         resume = ["train.resume=auto"] if existing_run(run_dir) else []
         stamp = _read_stamp(run_dir) or {}
@@ -321,6 +326,7 @@ class TrainingRuns:
                      f"hydra.run.dir={run_dir}"]
         if not self.wandb:
             overrides.append("logging=none")
+        write_run_id(run_dir, RunId(job_name, seed))
         banner(f"train {position}: {label} ({' '.join(job.overrides)})")
         log = self.out / "logs" / f"train_{job_name}_seed{seed}.log"
         t0 = time.time()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from ced.config import ModelConfig
@@ -22,7 +23,6 @@ def check_cost_overrides(args: list[str]) -> None:
     """Unknown keys as one line naming the key and the allowed ones, before Hydra composes
     (whose own message spans several lines): the cost model's keys, `model=<file>` and
     `model.<ModelConfig field>` (and `model.unmodelled.<...>`)."""
-    from dataclasses import fields
     model_keys = sorted(f.name for f in fields(ModelConfig))
     for item in args:
         if "=" not in item or item[0] in "+~-" or item.startswith("hydra"):
@@ -39,6 +39,8 @@ def check_cost_overrides(args: list[str]) -> None:
 
 
 def _cli(conf) -> None:
+    # lazy: OmegaConf (~0.1 s) comes with Hydra when `main` runs; importing this module to
+    # check overrides does not need it
     from omegaconf import OmegaConf
 
     values = OmegaConf.to_container(conf, resolve=True)
@@ -58,6 +60,7 @@ def _cli(conf) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # lazy: Hydra costs ~0.2 s to import; only running the command needs it
     import hydra
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -14,10 +14,14 @@ input, 3 diverged, 75 stopped with everything kept).
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import shutil
 import sys
 from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ced.checkpoint import CheckpointError, StorageFull
 from ced.runlock import DirectoryLocked
@@ -27,6 +31,7 @@ from ced.train.run_dir import (CONFIG_YAML, FINAL, TrainingDiverged, check_resum
                                checkpoint_dirs, flatten)
 from ced.train_config import ConfigError, TrainConfig, validate
 from ced.memory import advice, is_out_of_memory, oom_summary
+from ced.presets import StudyError, study_train_overrides
 from ced.writable import OutputDirError, check_hydra_output
 
 from . import check_override_keys
@@ -36,6 +41,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def _hydra_task(cfg) -> float | None:
+    # lazy: Hydra costs ~0.2 s to import, and only a run inside the Hydra app calls this
     from hydra.core.hydra_config import HydraConfig
     hydra_cfg = HydraConfig.get()
     metrics: dict = {}
@@ -84,6 +90,7 @@ def _hydra_task(cfg) -> float | None:
 def resume_command(run_dir: Path) -> str:
     """The command that continues the run in `run_dir`: this run's own command-line overrides
     with train.resume=auto (inside the Hydra app; else the bare form)."""
+    # lazy: Hydra costs ~0.2 s to import, and a resume hint is printed only when a run stops
     from hydra.core.hydra_config import HydraConfig
     given = []
     if HydraConfig.initialized():
@@ -107,7 +114,6 @@ def from_run_config(cfg, given: list[str], run_dir: Path):
     `python -m ced.train train.resume=auto hydra.run.dir=<run>` needs nothing else; a key that
     changes what the run computes is then refused unless allowed (`config_changes`). Anything
     else (a new run, another run's checkpoint, a run without config.yaml): `cfg` as composed."""
-    from omegaconf import OmegaConf
     saved = run_dir / CONFIG_YAML
     resume = str(OmegaConf.select(cfg, "train.resume", default="never"))
     if resume == "never" or not saved.exists() or (
@@ -136,7 +142,6 @@ def from_run_config(cfg, given: list[str], run_dir: Path):
 def _keys_set_by(key: str, value: str, cfg) -> list[str]:
     """The config paths an override sets: itself, or for the choice of a group whose file is
     a `_global_` package (debug=fast) every leaf that file sets."""
-    from omegaconf import OmegaConf
     if "." in key or key in cfg:
         return [key]
     path = Path(CONF_DIR) / key / f"{value}.yaml"
@@ -197,7 +202,6 @@ def expand_experiment(overrides: list[str]) -> list[str]:
         raise ConfigError("experiment: one study per run (a sweep over studies is "
                           "`python -m experiments.run -m study=a,b`); got "
                           + " ".join(chosen))
-    from ced.presets import StudyError, study_train_overrides
     try:
         shared = study_train_overrides(chosen[0].split("=", 1)[1])
     except StudyError as exc:
@@ -213,7 +217,6 @@ def _check_launcher(overrides: list[str]) -> None:
     of Hydra's 'Could not find submitit_slurm' from deep in the defaults list."""
     if not any(o.replace(" ", "") == "hydra/launcher=slurm" for o in overrides):
         return
-    import importlib.util
     try:
         found = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
     except ModuleNotFoundError:       # no Hydra plugin at all: no hydra_plugins package
@@ -229,10 +232,10 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     builds a row. A one-line ConfigError otherwise. Uses a fresh Hydra composition, so it
     cannot run inside a Hydra app (the study driver calls it in a subprocess:
     experiments/check_jobs.py)."""
+    # lazy: Hydra costs ~0.2 s to import, paid only by a caller that composes a config
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
     args = expand_experiment(overrides)
     check_overrides(args)
     _check_launcher(args)
@@ -325,6 +328,7 @@ def main() -> None:
     """Console entry: Hydra main over conf/train.yaml. Processes other than rank 0 of a
     distributed launch keep Hydra from writing anything (rank 0's directory is broadcast)."""
     set_offline_defaults()   # before anything imports huggingface_hub, which reads it once
+    # lazy: Hydra costs ~0.2 s to import; only running the command needs it
     import hydra
     try:
         args = expand_experiment(sys.argv[1:])

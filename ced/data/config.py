@@ -81,6 +81,7 @@ def as_dict(cfg: Any, key: str = "data") -> dict[str, Any]:
         values = dataclasses.asdict(cfg)
     else:
         try:
+            # lazy: OmegaConf costs ~0.1 s to import and only a config Hydra composed needs it
             from omegaconf import DictConfig, OmegaConf
             if isinstance(cfg, DictConfig):
                 cfg = OmegaConf.to_container(cfg, resolve=True)
@@ -99,6 +100,7 @@ def as_dict(cfg: Any, key: str = "data") -> dict[str, Any]:
 def plain(value: Any) -> Any:
     """OmegaConf containers (e.g. a mixture component) -> plain Python containers."""
     try:
+        # lazy: OmegaConf costs ~0.1 s to import and only a config Hydra composed needs it
         from omegaconf import OmegaConf
         if OmegaConf.is_config(value):
             return OmegaConf.to_container(value, resolve=True)

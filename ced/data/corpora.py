@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import itertools
 import os
 import sysconfig
 from typing import Any, Iterable, Optional
@@ -85,9 +86,10 @@ def offline() -> bool:
 def absolute(path: str) -> str:
     """A path relative to the original working directory (Hydra may have chdir'ed)."""
     try:
+        # lazy: Hydra costs ~0.2 s to import; only a path read inside a Hydra app needs it
         from hydra.core.hydra_config import HydraConfig
         if HydraConfig.initialized():
-            from hydra.utils import to_absolute_path
+            from hydra.utils import to_absolute_path   # lazy: as above, inside a Hydra app only
             return to_absolute_path(path)
     except ImportError:                          # pragma: no cover - hydra is a dependency
         pass
@@ -177,8 +179,7 @@ def hf_streams(source: str, files: tuple[str, ...], text_field: str, hf_split: s
                hub: tuple[tuple[str, Any], ...] = ()) -> dict[str, torch.Tensor]:
     """load_dataset(...)[text_field], split by a stable hash of each document's text (so
     duplicates land in the same split). `hub`: see hub_options."""
-    import itertools
-
+    # lazy: datasets costs ~0.6 s to import, and only a Hugging Face corpus needs it
     import datasets
 
     options = dict(hub)

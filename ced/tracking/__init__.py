@@ -14,9 +14,13 @@
 from __future__ import annotations
 
 import json
-import re
+import secrets
+import string
+import struct
 from pathlib import Path
 from typing import Iterable
+
+from ced.run_id import of_checkpoint
 
 ARTIFACT_FILE = "wandb.json"
 
@@ -24,8 +28,6 @@ ARTIFACT_FILE = "wandb.json"
 def new_run_id() -> str:
     """A wandb-style run id (8 characters of [a-z0-9]); chosen here rather than by wandb so
     that it can be stored in the trainer state before the first checkpoint."""
-    import secrets
-    import string
     alphabet = string.ascii_lowercase + string.digits
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
@@ -33,6 +35,7 @@ def new_run_id() -> str:
 def log_model_artifact(run, final: Path, metadata: dict | None = None) -> str:
     """Log the directory `final` (a trained model) as a `model` artifact of `run` and record
     its name in `final/wandb.json`; returns the artifact name."""
+    # lazy: wandb costs ~0.4 s to import, and only a run that logs to wandb needs it
     import wandb
     name = f"model-{run.id}"
     artifact = wandb.Artifact(name, type="model", metadata=metadata or {})
@@ -85,20 +88,18 @@ def log_scalars(run, scalars: dict[str, float]) -> None:
 def checkpoint_label(path: str | Path) -> str:
     """A short name for a checkpoint in metric keys: .../runs/<job>/seed<k>/final ->
     <job>/seed<k>; .../<run>/final -> <run>."""
+    run_id = of_checkpoint(Path(path))
+    if run_id is not None:
+        return run_id.model
     p = Path(path)
-    run = p.parent if p.name == "final" else p
-    return f"{run.parent.name}/{run.name}" if run.name.startswith("seed") else run.name
+    return (p.parent if p.name == "final" else p).name
 
 
 def job_and_seed(path: str | Path) -> tuple[str, int | None]:
-    """(job, training seed) of a checkpoint path `.../runs/<job>/seed<k>/final`; (the parent
-    directory's name, None) for any other path."""
-    parts = Path(str(path)).parts
-    for i, part in enumerate(parts):
-        match = re.fullmatch(r"seed(\d+)", part)
-        if match and i > 0:
-            return parts[i - 1], int(match.group(1))
-    return Path(str(path)).parent.name, None
+    """(job, training seed) of a checkpoint of a study's training run (`ced.run_id`: its
+    run.json); (the parent directory's name, None) for any other path."""
+    run_id = of_checkpoint(Path(str(path)))
+    return (run_id.job, run_id.seed) if run_id is not None else (Path(str(path)).parent.name, None)
 
 
 # ---- reading an offline run without a server --------------------------------------------------
@@ -112,7 +113,6 @@ _HEADER = 7
 
 
 def _records(path: Path) -> list[bytes]:
-    import struct
     data = Path(path).read_bytes()
     if not data.startswith(b":W&B"):
         raise ValueError(f"{path}: not a wandb record log (no ':W&B' header)")
@@ -145,6 +145,7 @@ def read_offline_run(run_dir: str | Path) -> dict:
     """What an offline wandb run holds (run_dir: `.../wandb/offline-run-<time>-<id>`): its id,
     `config` (key -> value), `summary` (key -> the last value), `history` (rows logged),
     `artifacts` (name: type), and `exit_code` (None if the run never finished: killed)."""
+    # lazy: wandb costs ~0.4 s to import, and only reading an offline run needs its protobufs
     from wandb.proto import wandb_internal_pb2 as pb
     run_dir = Path(run_dir)
     logs = sorted(run_dir.glob("run-*.wandb"))

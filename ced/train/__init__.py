@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from ..checkpoint import TRAINER_STATE, CheckpointError, read_json, remove_orphans, save_model
 from ..config import ModelConfig
@@ -158,6 +160,8 @@ def evaluate(model, source, cfg: TrainConfig, accelerator) -> dict[str, float]:
 # ---- the run -------------------------------------------------------------------------------------
 
 def make_accelerator(cfg: TrainConfig, run_dir: Path):
+    # lazy: accelerate costs ~0.1 s to import; the readers of a run directory (analysis/,
+    # experiments/) import this package and never start a run
     from accelerate import Accelerator
     t = cfg.train
     cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
@@ -218,6 +222,7 @@ class _Signals(StopSignals):
 def _reset_accelerate() -> None:
     """accelerate keeps process-wide singletons; a Hydra multirun in one process needs each
     job to start clean."""
+    # lazy: accelerate costs ~0.1 s to import, needed only once a run starts
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -316,6 +321,7 @@ def _build_model_and_data(cfg: TrainConfig, accelerator):
     """The seeded model, its AdamW optimizer (both prepared by accelerate), and the training
     and validation sources: (model, optimizer, train_source, val_source). The seed is set
     first, so the initial weights depend on train.seed alone."""
+    # lazy: accelerate costs ~0.1 s to import, needed only once a run starts
     from accelerate.utils import set_seed
     t = cfg.train
     set_seed(t.seed)
@@ -612,7 +618,6 @@ def _init_wandb(accelerator, cfg: TrainConfig, run_dir: Path, trainer_state: dic
 
 def _write_config(path: Path, cfg: TrainConfig) -> None:
     """The resolved config as YAML, written atomically (a crash leaves the old file or the new)."""
-    from omegaconf import OmegaConf
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     os.replace(tmp, path)
@@ -641,7 +646,6 @@ class _Progress:
     def __init__(self, total: int, initial: int, enabled: bool):
         self.bar = None
         if enabled:
-            from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True,
                             mininterval=1.0, file=sys.stdout)
 

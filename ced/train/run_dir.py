@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from ..checkpoint import (TRAINER_STATE, CheckpointError, CheckpointMismatch,
                           atomic_directory, check_training_checkpoint, commit_directory,
@@ -158,7 +159,6 @@ def config_changes(cfg: TrainConfig, run_dir: Path) -> dict[str, list]:
     (its config.yaml): {key: [old, new]} of the keys train.allow_config_change allows;
     ConfigError (one line naming the keys) for any other change of what the run computes.
     {} when the run has no config.yaml (nothing to compare)."""
-    from omegaconf import OmegaConf
     path = run_dir / CONFIG_YAML
     if not path.exists():
         return {}
@@ -287,6 +287,7 @@ def broadcast(accelerator, value):
     """`value` as process 0 has it, on every process (itself with one process)."""
     if accelerator.num_processes == 1:
         return value
+    # lazy: accelerate costs ~0.1 s to import, and only a run of several processes gets here
     from accelerate.utils import broadcast_object_list
     box = [value]
     broadcast_object_list(box, from_process=0)

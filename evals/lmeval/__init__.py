@@ -6,8 +6,10 @@ is lm_eval's own CLI with the model registered; see evals/tasks/README.md."""
 from .model import CEDLM, build_mode
 
 
-def __getattr__(name):            # lazy, so that `python -m evals.lmeval.tasks` runs cleanly
+def __getattr__(name):
     if name == "write_tasks":
+        # lazy, so that `python -m evals.lmeval.tasks` runs cleanly: imported here at the top,
+        # the module would already be loaded when runpy runs it as __main__
         from .tasks import write_tasks
         return write_tasks
     raise AttributeError(name)

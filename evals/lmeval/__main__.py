@@ -13,6 +13,10 @@ model that nothing imported. This wrapper imports the registration and hands ove
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from ced.writable import OutputDirError, check_output_dir
+from evals.lmeval.model import ModelArgsError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -30,6 +34,7 @@ def _index_included_tasks_only(argv: list[str]) -> None:
     asked = {name for item in known.tasks for name in item.split(",") if name}
     if not asked or known.include_path is None:
         return
+    # lazy: lm_eval.tasks costs ~0.4 s to import, and only a run with --include_path needs it
     import lm_eval.tasks
 
     shipped = lm_eval.tasks.TaskManager
@@ -51,9 +56,6 @@ def _check_output_path(argv: list[str]) -> None:
     known, _ = parser.parse_known_args(argv)
     if known.output_path is None:
         return
-    from pathlib import Path
-
-    from ced.writable import OutputDirError, check_output_dir
     path = Path(known.output_path)
     try:
         check_output_dir(path.parent if path.suffix == ".json" else path, "--output_path")
@@ -64,9 +66,11 @@ def _check_output_path(argv: list[str]) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["write-tasks"]:           # python -m evals.lmeval write-tasks ...
+        # lazy: evals.lmeval.tasks costs ~0.2 s to import, and only this sub-command needs it
         from evals.lmeval.tasks import main as write_tasks_main
         sys.exit(write_tasks_main(sys.argv[2:]))
     if sys.argv[1:2] == ["write-code-tasks"]:      # the real-text tasks of held-out files
+        # lazy: it imports evals.lmeval.tasks (~0.2 s), and only this sub-command needs it
         from evals.lmeval.code_tasks import main as write_code_tasks_main
         sys.exit(write_code_tasks_main(sys.argv[2:]))
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
@@ -84,9 +88,8 @@ def main() -> None:
               "    lm-eval's CLI with --model ced registered; its options:\n", flush=True)
     _check_output_path(sys.argv[1:])
     import evals.lmeval  # noqa: F401  registers --model ced
+    # lazy: lm-eval's CLI module is for this path only; the sub-commands above exit without it
     from lm_eval.__main__ import cli_evaluate
-
-    from evals.lmeval.model import ModelArgsError
 
     sys.argv[0] = "lm-eval"
     _index_included_tasks_only(sys.argv[1:])

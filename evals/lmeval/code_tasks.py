@@ -43,7 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ced.checkpoint import CheckpointError, load_config
+from ced.config import parse_replay_form, replay_length
 from evals.code_tokens import annotate
+from evals.real_text import stdlib_fraction, validation_files
 from evals.suites.families import write_jsonl
 
 from .tasks import _group, _task, _yaml
@@ -229,9 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-files", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from ced.checkpoint import CheckpointError, load_config
-    from ced.config import parse_replay_form, replay_length
-    from evals.real_text import stdlib_fraction, validation_files
     try:
         cfg = load_config(args.checkpoint)
         min_distance = replay_length(cfg, parse_replay_form(args.min_distance,

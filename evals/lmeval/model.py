@@ -42,6 +42,7 @@ import lm_eval.models  # noqa: F401  (registers the built-in models before ours:
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ced.config import state_replay
 from ced.data import ByteTokenizer
@@ -120,6 +121,8 @@ class CEDLM(LM):
                  max_batch_size=None, max_gen_toks: int = 256, bos=True, model=None,
                  **unused) -> None:
         super().__init__()
+        # lazy: evals.suites.runner costs ~0.1 s to import; registering --model ced (also for
+        # lm-eval's --help) builds no model
         from evals.suites.runner import load_checkpoint, make_engine
 
         if unused:
@@ -247,8 +250,6 @@ class CEDLM(LM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         pairs, owner = [], []
         for k, r in enumerate(requests):
             (text,) = r.args

@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from ced.checkpoint import CheckpointError, load_config
+from ced.config import describe_replays, parse_replay_form, state_replay
 from evals.suites.families import (FAMILIES, SuiteSettings, build_documents, target_ids,
                                    write_jsonl)
 
@@ -164,8 +166,6 @@ def main(argv=None) -> int:
     p.add_argument("--per-point", action="store_true", help="also one task per swept value")
     p.add_argument("--no-generate", action="store_true", help="skip the *_gen tasks")
     args = p.parse_args(argv)
-    from ced.checkpoint import CheckpointError, load_config
-    from ced.config import describe_replays, parse_replay_form, state_replay
     try:
         forms = [parse_replay_form(v, "--replay") for v in args.replay]
         cfg = load_config(args.checkpoint)

@@ -15,6 +15,15 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
+from ced.config import parse_replay_form
+from ced.signals import Interrupted, StopSignals, continue_command
+from ced.writable import check_output_dir
+from evals.cli import build_parser, config_from_args
+
+from .runner import SuiteConfig, check_out, format_table, run_suite
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -22,12 +31,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 def parse_args(argv=None):
     """The command line as a `SuiteConfig`, checked: an --out that holds a run (without
     --overwrite) and a malformed replay form are one-line errors with exit code 2."""
-    from ced.config import parse_replay_form
-    from ced.writable import check_output_dir
-    from evals.cli import build_parser, config_from_args
-
-    from .runner import SuiteConfig, check_out
-
     config = config_from_args(SuiteConfig, build_parser(
         SuiteConfig, prog="python -m evals.suites", description=__doc__).parse_args(argv))
     try:
@@ -45,12 +48,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     config = parse_args(argv)
-    import torch
-
-    from .runner import format_table, run_suite
-
-    from ced.signals import Interrupted, StopSignals, continue_command
-
     if config.threads:
         torch.set_num_threads(config.threads)
     try:

@@ -41,11 +41,12 @@ from ced.data import ByteTokenizer
 from ced.inference import POLICIES
 from ced.records import write_json
 from ced.signals import stop_point
+from ced.tracking import log_scalars, use_checkpoints
 from evals.cli import option
 from evals.modes import MODE_COLUMNS, Mode, mode_columns, mode_logits, named_mode
 
-from .families import (FAMILIES, SPAN_GRIDS, SuiteSettings, build_documents, prompt_ids,
-                       target_ids, write_jsonl)
+from .families import (FAMILIES, SPAN_GRIDS, SuiteSettings, build_documents, describe,
+                       prompt_ids, target_ids, write_jsonl)
 from .stats import holm, mcnemar_exact, wilson_interval
 
 _TOK = ByteTokenizer()
@@ -294,6 +295,8 @@ def plot(summary: list[dict], settings: SuiteSettings, path: Path,
          title: str = "") -> Path | None:
     """Write the run's accuracy figure (evals.plots.accuracy_figure): accuracy against x per
     family, a line per mode with its 95% CI band, N, W and R_exact marked, chance dotted."""
+    # lazy: evals.plots loads matplotlib (~0.6 s); lm-eval's CEDLM and the study driver import
+    # this module and draw nothing
     from evals import plots
     fig = plots.accuracy_figure(summary, replays=settings.replays, window=settings.window,
                                 r_exact=settings.r_exact, title=title)
@@ -438,7 +441,6 @@ def run_suite(config: SuiteConfig) -> dict:
     write_jsonl(docs, out / "data")
     base, turn = suite_mode_values(cfg, sorted({s.n for s in stated}), settings.turns)
     if not c.quiet:
-        from .families import describe
         print(describe(settings), file=sys.stderr)
         print(f"replays: {describe_replays(stated)}", file=sys.stderr)
         print(f"modes: {[m.name for m in base]} + {len(turn)} multi-turn modes on "
@@ -502,8 +504,8 @@ def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[di
                paths: dict, out: Path, group: str | None = None) -> None:
     """Offline unless WANDB_MODE says otherwise; `wandb sync <out>/wandb/offline-run-*`.
     The group defaults to WANDB_RUN_GROUP (set by the study driver), else "suite"."""
+    # lazy: wandb costs ~0.4 s to import, and only a run that logs to wandb needs it
     import wandb
-
     run = wandb.init(project=project, dir=str(out), job_type="suite",
                      group=group or os.environ.get("WANDB_RUN_GROUP") or "suite",
                      mode=os.environ.get("WANDB_MODE", "offline"),
@@ -514,7 +516,6 @@ def _log_wandb(project: str, run_info: dict, summary: list[dict], drops: list[di
                                             data=[_table_row(d, DROP_FIELDS) for d in drops])})
     if "plot" in paths:
         run.log({"accuracy": wandb.Image(str(paths["plot"]))})
-    from ced.tracking import log_scalars, use_checkpoints
     use_checkpoints(run, [run_info["checkpoint"]])
     log_scalars(run, suite_scalars(summary))
     run.summary["capability_drops"] = len(drops)

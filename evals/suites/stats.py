@@ -14,6 +14,7 @@ a rate such as "models that fail at N = W" (scipy).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,6 +74,7 @@ def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
         raise ValueError(f"clopper_pearson: need 0 <= k <= n; got k={k}, n={n}")
     if n == 0:
         return 0.0, 1.0
+    # lazy, as in wilson_interval: scipy.stats costs ~0.6 s to import
     from scipy.stats import binomtest
     ci = binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
     return float(ci.low), float(ci.high)
@@ -222,6 +224,7 @@ def seed_t_test(values: Sequence[float], confidence: float = 0.95) -> tuple[floa
     mean, sd = float(values.mean()), float(values.std(ddof=1))
     if sd == 0.0:
         return mean, mean, (1.0 if mean == 0.0 else 0.0)
+    # lazy, as in wilson_interval: scipy.stats costs ~0.6 s to import
     from scipy import stats
     half = float(stats.t.ppf(0.5 + confidence / 2, values.size - 1)) * sd / math.sqrt(values.size)
     p = float(stats.ttest_1samp(values, 0.0).pvalue)
@@ -241,8 +244,7 @@ def welch_p(before, after) -> float:
         return bool(np.ptp(v) <= 1e-12 * max(1.0, float(np.abs(v).max())))
     if flat(x) and flat(y):
         return math.nan
-    import warnings
-
+    # lazy, as in wilson_interval: scipy.stats costs ~0.6 s to import
     from scipy.stats import ttest_ind
     with warnings.catch_warnings():
         # a side whose values agree up to round-off makes scipy warn of precision loss in its

@@ -49,6 +49,9 @@ def test_study_runs_end_to_end_and_reports_the_failed_job(tiny_study):
     settings = json.loads((out / "suite" / "ced" / "seed0@kv=global:fp8" / "summary.json")
                           .read_text())["run"]["config"]
     assert settings["global_kv_dtype"] == "fp8"
+    # the override folder says what it holds as fields; the readers never parse its name
+    assert json.loads((out / "suite" / "ced" / "seed0@kv=global:fp8" / "run.json").read_text()) \
+        == {"job": "ced", "seed": 0, "topk": None, "kv": "global:fp8"}
     for job in ("yoco", "ced"):
         assert (out / "runs" / job / "seed0" / "final" / "model.safetensors").exists()
         assert (out / "runs" / job / "seed0" / "metrics.jsonl").exists()

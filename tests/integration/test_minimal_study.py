@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.findings import main as findings_main
+from ced.run_id import IDENTITY, RunId, read_run_id
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "studies.md"
@@ -37,6 +38,11 @@ def test_the_guides_minimal_study_runs_and_compares_its_arms(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "all steps ok" in done.stdout
+    # every model folder says which model it holds as fields (ced.run_id), for the readers
+    for job in ("k2", "k4"):
+        for folder in (out / "runs" / job / "seed0", out / "suite" / job / "seed0"):
+            assert read_run_id(folder) == RunId(job, 0)
+            assert (folder / IDENTITY).exists()
     findings = tmp_path / "findings"
     assert findings_main(["--study", str(out), "--out", str(findings)]) == 0
     arms = pd.read_csv(findings / "arms.csv")

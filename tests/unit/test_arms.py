@@ -60,7 +60,8 @@ def study(tmp_path) -> Path:
     for job in JOBS:
         write_job(root, job)
     (root / "summary.json").write_text(json.dumps({"study": "ablation", "steps": {
-        f"train/{job}/seed0": {"state": "ok"} for job in ("k2", "k4", "k4_sim")}}))
+        f"train/{job}/seed0": {"state": "ok", "run_dir": str(root / "runs" / job / "seed0")}
+        for job in ("k4_sim", "k2", "k4")}}))
     return root
 
 

@@ -236,3 +236,63 @@ def test_no_module_is_longer_than_eight_hundred_lines():
             for folder in PROJECT for path in sorted((ROOT / folder).rglob("*.py"))
             if (n := len(path.read_text().splitlines())) > 800]
     assert not long, "modules over 800 lines: " + "; ".join(long)
+
+
+def uncommented_function_imports(path: Path) -> list[int]:
+    """The lines of the imports inside a function body of `path` that give no reason: an
+    import is explained by a comment on its own line(s), on the line directly above it, or on
+    the line directly above the run of consecutive import statements it belongs to (one
+    comment over a group of lazy imports at the start of a function covers the group)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    tree = ast.parse(text, filename=str(path))
+    inside = {id(node) for fn in ast.walk(tree)
+              if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    run_head: dict[int, ast.stmt] = {}
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            head = None
+            for stmt in block if isinstance(block, list) else []:
+                is_import = isinstance(stmt, (ast.Import, ast.ImportFrom))
+                head = (head or stmt) if is_import else None
+                if is_import:
+                    run_head[id(stmt)] = head
+
+    def comment_above(stmt: ast.stmt) -> bool:
+        return stmt.lineno > 1 and lines[stmt.lineno - 2].strip().startswith("#")
+
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in inside:
+            own = "#" in " ".join(lines[node.lineno - 1:node.end_lineno])
+            if not (own or comment_above(node) or comment_above(run_head[id(node)])):
+                found.add(node.lineno)
+    return sorted(found)
+
+
+def test_the_import_check_reads_comments_on_the_line_above_and_over_a_group(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json\n"                          # module level: not checked
+                     "def a():\n    import os\n"              # 3: no reason
+                     "def b():\n    import os  # lazy: x\n"
+                     "def c():\n    # lazy: x\n    import os\n"
+                     "def d():\n    # lazy: x\n    import os\n\n    from re import sub\n"
+                     "    print()\n    import sys\n"          # 15: after the group: no reason
+                     "def e():\n    if True:\n        # lazy: x\n        import os\n"
+                     "    import re\n")                       # 20: another body
+    assert uncommented_function_imports(probe) == [3, 15, 20]
+
+
+def test_every_import_inside_a_function_says_why():
+    """An import inside a function is lazy for a reason (start-up time: a heavy package the
+    module does not otherwise need; a branch few runs take; an import cycle), and a comment
+    beside it or above its group says which; any other import belongs at the module's top."""
+    unexplained = []
+    for folder in PROJECT:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            relative = str(path.relative_to(ROOT))
+            unexplained += [f"{relative}:{line}" for line in uncommented_function_imports(path)]
+    assert not unexplained, ("imports inside functions without a comment saying why they are "
+                             "lazy (else move them to the top): " + "; ".join(unexplained))

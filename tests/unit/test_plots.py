@@ -38,7 +38,8 @@ def _settings() -> dict:
 
 
 def _points(seeds: int) -> tuple[pd.DataFrame, dict]:
-    suite = pd.concat([pd.DataFrame(_suite_rows(k)).assign(label=f"ced/seed{k}")
+    suite = pd.concat([pd.DataFrame(_suite_rows(k)).assign(label=f"ced/seed{k}",
+                                                            group="ced")
                        for k in range(seeds)], ignore_index=True)
     info = {f"ced/seed{k}": {"settings": _settings()} for k in range(seeds)}
     return headline_points(suite, info)

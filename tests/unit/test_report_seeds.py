@@ -1,5 +1,5 @@
-"""The report tells seeds apart (run labels `<job>/seed<k>`) and summarises jobs trained with
-several seeds: mean, spread, min and max of the pooled suite accuracy and the validation loss."""
+"""The report tells seeds apart (run labels `<job>/seed<k>`, pooled by `RunId.group`) and
+summarises jobs trained with several seeds: mean, spread, min and max of the pooled suite accuracy and the validation loss."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ def test_labels_keep_seeds_apart():
 
 def test_seed_spread_over_seeds_of_one_job():
     suite = pd.DataFrame([
-        {"label": f"ced/seed{k}", "family": "recall", "x": "all", "mode": mode, "accuracy": acc}
+        {"label": f"ced/seed{k}", "group": "ced", "family": "recall", "x": "all", "mode": mode,
+         "accuracy": acc}
         for k, (a_full, a_rep) in enumerate([(0.8, 0.5), (0.6, 0.3), (0.7, 0.4)])
         for mode, acc in (("full", a_full), ("replay=4", a_rep))
-    ] + [{"label": "yoco/seed0", "family": "recall", "x": "all", "mode": "full",
+    ] + [{"label": "yoco/seed0", "group": "yoco", "family": "recall", "x": "all", "mode": "full",
           "accuracy": 0.9}])
-    runs = {f"ced/seed{k}": {"metrics": pd.DataFrame({"step": [1, 2], "val/loss": [3.0, v]})}
+    runs = {f"ced/seed{k}": {"metrics": pd.DataFrame({"step": [1, 2], "val/loss": [3.0, v]}),
+                             "group": "ced"}
             for k, v in enumerate([1.0, 2.0, 3.0])}
     table = seed_spread(suite, runs)
     full = table[(table["what"] == "acc recall") & (table["mode"] == "full")].iloc[0]
