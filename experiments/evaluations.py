@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 from ced.checkpoint import load_config
 from ced.run_id import IDENTITY, RunId, write_run_id
 
-from .freshness import STAMP, plain, step_decision
+from .freshness import DEFAULTS, STAMP, plain, step_decision
 from .steps import banner, step_record, stream, write_stamp
 from .study import config_hash
 from .tools import OVER_MODELS, PER_MODEL, EvaluationTool, JobPlace, Reading, tools
@@ -123,7 +123,8 @@ class EvaluationSteps:
         label = run if run_id is None else run_id.label
         options = tool.options(section, reading)
         trained = sorted(digest for _, digest in reading.checkpoints.values())
-        inputs = {tool.hashed_as or tool.name: options, **tool.computed(options, reading),
+        inputs = {tool.hashed_as or tool.name: options,
+                  DEFAULTS: tool.defaults(exclude=options), **tool.computed(options, reading),
                   "trained": trained if tool.scope == OVER_MODELS else trained[0]}
         key = tool.name if tool.scope == OVER_MODELS else f"{tool.name}/{label}"
         out = self.out / key

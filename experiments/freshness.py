@@ -13,6 +13,9 @@ from ced.records import DamagedRecord, read_json, set_aside
 
 # the record each step leaves in its directory (the hash of its inputs, and the inputs)
 STAMP = "study_step.json"
+# the key of an evaluation step's inputs that holds its tool's config fields the study does not
+# set, at their defaults: a default changed in code reruns the steps that ran with the old one
+DEFAULTS = "defaults"
 
 
 def plain(value: Any) -> Any:
@@ -70,6 +73,9 @@ def describe_step_change(stamp: dict | None, digest: str, inputs: dict,
         return (f"hash {old_hash} -> {digest}: a checkpoint was retrained or the settings "
                 f"changed")
     old = stamp["inputs"]
+    if DEFAULTS in inputs and DEFAULTS not in old:
+        return ("its record predates the step hash covering the tool's config defaults (every "
+                "config field now counts); rerunning once")
     # a record that kept no written settings names what changed in its resolved inputs
     # instead: against nothing, every key the study writes would read as added
     parts = ([] if stamp.get("written") is None else

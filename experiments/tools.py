@@ -32,7 +32,7 @@ registers it too.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -171,6 +171,21 @@ class EvaluationTool:
             return getattr(module, self.config), getattr(module, self.run)
         except AttributeError as exc:
             raise ValueError(f"evaluation tool {self.name}: {exc}") from None
+
+    def defaults(self, exclude: Any = ()) -> dict[str, Any]:
+        """The fields of the tool's config a study leaves at their defaults (all but `driven`
+        and `exclude`), as plain data: part of every step's hash, so a default changed in code
+        reruns the steps it changes."""
+        config, _ = self.load()
+        out = {}
+        for f in fields(config):
+            if f.name in self.driven or f.name in exclude:
+                continue
+            if f.default is not MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not MISSING:
+                out[f.name] = f.default_factory()
+        return {k: asdict(v) if is_dataclass(v) else v for k, v in out.items()}
 
     def cleared(self) -> tuple[str, ...]:
         """The files a run writes into its folder (`outputs`), removed before a rerun."""

@@ -1,8 +1,9 @@
 """An evaluation tool is one module and one registration (`experiments.tools.register`): a
 dummy tool written into a temporary module, registered by the one call in it, is accepted as a
 study section (its keys checked), run by the driver per model in its own job process (which
-imports the module by name), skipped when fresh, rerun alone when one of its options changes
-(the built-in erf step beside it stays skipped), and planned by `only=plan`."""
+imports the module by name), skipped when fresh, rerun alone when one of its options or a
+default of its config changes (the built-in erf step beside it stays skipped), and planned by
+`only=plan`."""
 
 from __future__ import annotations
 
@@ -116,6 +117,24 @@ def test_a_registered_tool_runs_skips_and_reruns_alone(probe_tool, tmp_path, cap
     assert {k: v["state"] for k, v in steps.items() if k.startswith(("probe/", "erf/"))} == {
         "probe/a/seed0": "ok", "probe/d/seed0": "ok", "erf/a/seed0": "skipped"}
     assert json.loads((out / "probe" / "d" / "seed0" / "probe.json").read_text())["tokens"] == 5
+
+    # a default changed in the tool's code (a field the study does not write) reruns it alone
+    module = Path(sys.modules[MODULE].__file__)
+    module.write_text(TOOL.replace('label: str = "probe"', 'label: str = "probe2"'))
+    tools.TOOLS.pop("probe")
+    sys.modules.pop(MODULE)
+    __import__(MODULE)
+    capsys.readouterr()
+    drive(study, out, "plan")
+    plan = capsys.readouterr().out
+    assert "plan probe/a/seed0: RERUN - inputs changed (defaults.label 'probe' -> 'probe2')" \
+        in plan, plan
+    assert "plan erf/a/seed0: SKIP" in plan
+    steps = drive(study, out, "eval")
+    assert {k: v["state"] for k, v in steps.items() if k.startswith(("probe/", "erf/"))} == {
+        "probe/a/seed0": "ok", "probe/d/seed0": "ok", "erf/a/seed0": "skipped"}
+    assert json.loads((out / "probe" / "a" / "seed0" / "probe.json").read_text())["label"] \
+        == "probe2"
 
 
 @pytest.mark.parametrize("section,refused", [
