@@ -196,8 +196,9 @@ class EvaluationSteps:
         args = ["--examples", str(spec.lm_eval_examples), "--context",
                 str(spec.lm_eval_context), "--min-distance", str(spec.lm_eval_min_distance),
                 *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
+        models = self.run_ids(all_jobs=True)
         for label, (final, trained) in self.checkpoints(all_jobs=True).items():
-            if spec.lm_eval_jobs is not None and label.split("/")[0] not in spec.lm_eval_jobs:
+            if spec.lm_eval_jobs is not None and models[label].job not in spec.lm_eval_jobs:
                 continue
             cfg = load_config(final)
             replays = cfg.has_decoder and not cfg.traits.exact_early_exit

@@ -129,7 +129,8 @@ def test_the_report_pools_seeds_by_run_json(tmp_path):
 
 # what reading a job, a seed or an override out of a path looks like
 PATH_PARSERS = re.compile(r"""seed\(\?P<|seed\(\\d|seed\\d|startswith\("seed"\)|"@topk|"@kv"""
-                          r"""|\.split\("@"\)|partition\("/seed"\)|_LABEL\b""")
+                          r"""|\.split\("@"\)|label\.split\("/"\)|partition\("/seed"\)"""
+                          r"""|_LABEL\b""")
 
 
 def test_no_module_reads_a_model_out_of_a_folder_name():
