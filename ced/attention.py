@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig, global_read_is_masked
+from .exact_ops import hidden_bits, masked_fill_hidden, matmul_operand
 from .semantics import first_visible_entry, visible_entries, window_lower_bound
 
 # ---------------------------------------------------------------------------------------------
@@ -368,27 +369,28 @@ def _per_query_head(entries: Tensor, heads: int) -> Tensor:
     return entries[:, :, None].expand(b, g, heads // g, e, dh).reshape(b, heads, e, dh)
 
 
-def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None
-                    ) -> tuple[Tensor, list[Tensor]]:
-    """The joint softmax read with plain matmuls. q [B, H, C, Dh] (already scaled).
-    Returns the output [B, H, C, Dh] and the probabilities over each key set, [B, H, C, S]."""
+def _read_reference(q: Tensor, key_sets: list[KeySet], sink: Tensor | None,
+                    masks: dict | None = None) -> tuple[Tensor, list[Tensor]]:
+    """The joint softmax read with plain matmuls (ced/exact_ops.py). q [B, H, C, Dh] (scaled);
+    masks: `attend`'s. Returns the output [B, H, C, Dh] and the probabilities over each key set."""
     b, h, c, _ = q.shape
+    sink_dtype, operand = q.dtype, matmul_operand(q)
+    q = operand(q)
     logits = []
     rows = [ks.rows() if ks.gathered else None for ks in key_sets]
     for ks, kv in zip(key_sets, rows):
-        if ks.gathered:
-            scores = _gathered_scores(q, kv[0])
-        else:
-            scores = torch.matmul(q, ks.k.transpose(-1, -2))
-        logits.append(scores.masked_fill(ks.hidden, -torch.inf))
+        scores = _gathered_scores(q, kv[0]) if ks.gathered else torch.matmul(q, operand(ks.k).mT)
+        logits.append(masked_fill_hidden(scores, shared(masks, hidden_bits, ks.hidden,
+                                                        scores.dtype)))
     if sink is not None:
-        logits.append(sink.view(1, h, 1, 1).to(q.dtype).expand(b, h, c, 1))
+        logits.append(sink.view(1, h, 1, 1).to(sink_dtype).expand(b, h, c, 1))
     probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     out, at, per_set = None, 0, []
     for ks, kv in zip(key_sets, rows):
         p = probs[..., at:at + ks.width]
         at += ks.width
-        read = _gathered_values(p, kv[1]) if ks.gathered else torch.matmul(p, ks.v)
+        read = (_gathered_values(p, kv[1]) if ks.gathered
+                else torch.matmul(operand(p), operand(ks.v)))
         out = read if out is None else out + read
         per_set.append(p)
     return out, per_set
@@ -644,14 +646,15 @@ def _read_flash(q: Tensor, key_sets: list[KeySet], sink: Tensor | None, probs_of
 
 
 def joint_read(q: Tensor, key_sets: list[KeySet], sink: Tensor | None,
-               probs_of: int | None = None) -> tuple[Tensor, list[Tensor | None]]:
+               probs_of: int | None = None, masks: dict | None = None
+               ) -> tuple[Tensor, list[Tensor | None]]:
     """softmax over the logits q.k of every key set plus the sink logit (per head, it only
     enters the denominator), and the matching read of the values. q [B, H, C, Dh], already
-    scaled. Returns the output [B, H, C, Dh] and the probabilities over each key set
-    ([B, H, C, S], detached where the fused kernel ran; only `probs_of`'s is guaranteed)."""
+    scaled; masks: `attend`'s. Returns the output [B, H, C, Dh] and the probabilities over each
+    key set ([B, H, C, S], detached where the fused kernel ran; only `probs_of`'s is sure)."""
     if _flash_applies(q, key_sets):
         return _read_flash(q, key_sets, sink, probs_of)
-    return _read_reference(q, key_sets, sink)
+    return _read_reference(q, key_sets, sink, masks)
 
 
 def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
@@ -781,7 +784,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
         for c0, c1, key_sets, *_ in blocks:
             qc = q[:, :, c0:c1]
             out, block_probs = joint_read(qc, key_sets, sink,
-                                          len(key_sets) - 1 if wants_mass else None)
+                                          len(key_sets) - 1 if wants_mass else None, masks)
             outputs.append(out if out is not None else qc.new_zeros(b, h, c1 - c0, dh))
             probs.append(block_probs[-1] if wants_mass else None)
         result = torch.cat(outputs, dim=2)
