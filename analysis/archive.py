@@ -120,7 +120,9 @@ def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
         kept = [c for c in (*OUTCOME_COLUMNS, *MODE_COLUMNS) if c in table]
         outcomes = table[kept].assign(
             correct=table["correct"].astype(bool).astype(int))
-        outcomes.to_csv(target / OUTCOMES, index=False, float_format="%.6g")
+        # gzip's header time fixed, so archiving the same results again writes the same bytes
+        outcomes.to_csv(target / OUTCOMES, index=False, float_format="%.6g",
+                        compression={"method": "gzip", "mtime": 0})
         # the suite run's identity and settings, not its tables (the cells hold those)
         run = json.loads((results.parent / "summary.json").read_text()).get("run", {})
         keep = {k: run[k] for k in ("checkpoint", "config", "settings", "examples", "modes",

@@ -149,3 +149,22 @@ def test_the_archive_keeps_the_suites_mode_columns(tmp_path):
     for name in MODE_COLUMNS:
         pd.testing.assert_series_equal(from_columns[name], from_labels[name], check_names=False)
     assert sorted(from_columns["replay_n"].dropna().unique()) == [4, 8, 15]   # exact: R_exact
+
+
+def test_archiving_again_writes_the_same_bytes_and_each_models_identity(tmp_path):
+    """The archive is committed: the same results archived again (seconds later, so a gzip
+    header time would differ) leave every file byte for byte as it was; every model folder
+    keeps its run.json (ced.run_id), read back as the model it came from."""
+    import time
+
+    from ced.run_id import RunId, read_run_id
+    study, into = tmp_path / "study", tmp_path / "archive"
+    write_study(study, [("L2", 0), ("L8", 3)])
+    archive(study, into)
+    first = {p: p.read_bytes() for p in into.rglob("*") if p.is_file() and
+             p.name != "summary.json"}
+    time.sleep(1.1)
+    archive(study, into)
+    assert {p: p.read_bytes() for p in first} == first
+    assert read_run_id(into / "suite" / "L8" / "seed3") == RunId("L8", 3)
+    assert (into / "runs" / "L8" / "seed3" / "run.json").exists()
