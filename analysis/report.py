@@ -143,9 +143,12 @@ def load_divergence(study: Path) -> pd.DataFrame:
         return pd.DataFrame()
     table = pd.DataFrame(rows)
     if len(table):
-        table["job"] = table["checkpoint"].map(checkpoint_label)
-        table["group"] = [group_of(label, of_checkpoint(Path(path)))
-                          for label, path in zip(table["job"], table["checkpoint"])]
+        # a checkpoint's label and group read its run's record: once per checkpoint
+        checkpoints = table["checkpoint"].unique()
+        labels = {c: checkpoint_label(c) for c in checkpoints}
+        groups = {c: group_of(labels[c], of_checkpoint(Path(c))) for c in checkpoints}
+        table["job"] = table["checkpoint"].map(labels)
+        table["group"] = table["checkpoint"].map(groups)
     return table
 
 

@@ -295,7 +295,8 @@ def divergence_table(study: Path, seed: int = 0, resamples: int = 2000) -> pd.Da
         return pd.DataFrame()
     div = pd.read_parquet(path)
     div = div[(div["metric"].isin(["kl", "top1_agree"])) & (div["step"] == 0)].copy()
-    labels = div["checkpoint"].map(job_and_seed)
+    # a checkpoint's job and seed read its run's record: once per checkpoint, not per row
+    labels = div["checkpoint"].map({c: job_and_seed(c) for c in div["checkpoint"].unique()})
     div = div.assign(job=labels.map(lambda s: s[0]), train_seed=labels.map(lambda s: s[1]))
     rng = np.random.default_rng(seed)
     rows = []

@@ -53,15 +53,20 @@ class RunId:
         return f"{self.job}/seed{self.seed}"
 
     @property
+    def _suffix(self) -> str:
+        """`[@topk=K][@kv=SPEC]`: the overrides as the label and the group write them."""
+        return "".join(f"@{k}={v}" for k, v in self.overrides.items())
+
+    @property
     def label(self) -> str:
         """`<job>/seed<k>[@topk=K][@kv=SPEC]`: the step's folder under its tool's folder."""
-        return self.model + "".join(f"@{k}={v}" for k, v in self.overrides.items())
+        return self.model + self._suffix
 
     @property
     def group(self) -> str:
         """`<job>[@topk=K][@kv=SPEC]`: what the statistics pool seeds under (a job read under
         an override is a group of its own)."""
-        return self.job + "".join(f"@{k}={v}" for k, v in self.overrides.items())
+        return self.job + self._suffix
 
     @property
     def trained(self) -> RunId:

@@ -389,11 +389,12 @@ def write_outputs(c: DivergenceConfig, rows: list[dict], out_dir: Path) -> None:
 def divergence_scalars(summary: list[dict]) -> dict[str, float]:
     """Mean KL(exact || mode) and top-1 agreement at the first generated token, per checkpoint,
     prompt length and mode, as flat scalars (`kl/<run>/T=<T>/replay=<N>`) for dashboards."""
-    out = {}
+    out, labels = {}, {}        # a checkpoint's label reads its run's record: once each
     for row in summary:
         if row["step"] != 0 or row["metric"] not in ("kl", "top1_agree"):
             continue
-        out[f"{row['metric']}/{checkpoint_label(row['checkpoint'])}/T={row['T']}/"
+        label = labels.setdefault(row["checkpoint"], checkpoint_label(row["checkpoint"]))
+        out[f"{row['metric']}/{label}/T={row['T']}/"
             f"{row['mode']}"] = row["mean"]
     return out
 

@@ -378,7 +378,9 @@ def _divergence_curve(path: Path) -> pd.DataFrame:
     # replay=exact, full and the multi-turn modes have none (no R_exact is given here)
     table = table.assign(N=replay_lengths(table))
     table = table[(table["metric"] == "kl") & (table["step"] == 0) & table["N"].notna()]
-    table = table.assign(job=table["checkpoint"].map(lambda c: job_of(Path(c))),
+    # a checkpoint's job reads its run's record: once per checkpoint, not per row
+    jobs = {c: job_of(Path(c)) for c in table["checkpoint"].unique()}
+    table = table.assign(job=table["checkpoint"].map(jobs),
                          N=table["N"].astype(int))
     return table.groupby(["job", "N"], as_index=False)["value"].mean()
 

@@ -80,7 +80,9 @@ def divergence_figure(summary: pd.DataFrame | Sequence[Mapping],
     rep = table[modes["replay_given"].notna() & modes["turn"].isna() & (table["step"] == 0)]
     if rep.empty:
         return None
-    rep = rep.assign(run=rep["checkpoint"].map(checkpoint_label))
+    # a checkpoint's label reads its run's record: once per checkpoint, not per row
+    rep = rep.assign(run=rep["checkpoint"].map(
+        {c: checkpoint_label(c) for c in rep["checkpoint"].unique()}))
     fig, axes = grid(len(metrics), 5.5, 4, max_cols=len(metrics))
     for ax, metric in zip(axes, metrics):
         _divergence_panel(ax, rep[rep["metric"] == metric], sorted(rep["T"].unique()))
