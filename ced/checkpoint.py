@@ -258,14 +258,31 @@ def stated_override(value: int | str | None) -> str | None:
     return str(value)
 
 
+DECODER_GLOBAL = ("on", "off")
+
+
 def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
-                         kv: str | None = None) -> ModelConfig:
+                         kv: str | None = None,
+                         decoder_global: str | None = None) -> ModelConfig:
     """`cfg` with the evaluation-time overrides applied, the one place they are read:
     `topk` (None, "" or "none": as trained; an int; or "all": read every visible global entry,
-    i.e. top-k = max_seq_len) and `kv` (storage formats, `ced.quant.parse_kv_override`, e.g.
-    "global:fp4_block16"). Neither changes a parameter's shape, so any checkpoint's weights
-    load into the result. A ValueError names `topk` or the bad `kv` part."""
+    i.e. top-k = max_seq_len), `kv` (storage formats, `ced.quant.parse_kv_override`, e.g.
+    "global:fp4_block16") and `decoder_global` ("off": the decoder layers lose their global
+    read, the path ablation of docs/semantics.md 4.6; "on" or None: as trained). None changes
+    a parameter's shape, so any checkpoint's weights load into the result. A ValueError names
+    `topk`, `decoder_global` or the bad `kv` part."""
     changes: dict = {}
+    if stated_override(decoder_global) is not None:
+        value = str(decoder_global).lower()
+        if value not in DECODER_GLOBAL:
+            raise ValueError(f"decoder_global: one of {DECODER_GLOBAL} (or none: as trained); "
+                             f"got {decoder_global!r}")
+        if value == "off" and not cfg.traits.decoder_windows:
+            raise ValueError(f"decoder_global=off: only for variant 'ced', whose decoder keeps "
+                             f"a window without its global read; this checkpoint is "
+                             f"{cfg.variant!r}")
+        if value == "off":
+            changes["decoder_global_read"] = False
     if stated_override(topk) is not None:
         all_entries = str(topk).lower() == "all"
         try:
@@ -283,13 +300,14 @@ def evaluation_overrides(cfg: ModelConfig, topk: int | str | None = None,
 
 
 def load_model(directory: str | Path, map_location: str | torch.device = "cpu", *,
-               topk: int | str | None = None, kv: str | None = None) -> CEDModel:
+               topk: int | str | None = None, kv: str | None = None,
+               decoder_global: str | None = None) -> CEDModel:
     """Rebuild a CEDModel from a directory written by `save_model` (eval mode), optionally
-    read back with another top-k or KV storage formats (`evaluation_overrides`). A missing,
-    damaged or mismatched file raises CheckpointError (a ValueError) naming it; a bad
-    override, a ValueError naming it."""
+    read back with another top-k, KV storage formats or without the decoder's global read
+    (`evaluation_overrides`). A missing, damaged or mismatched file raises CheckpointError (a
+    ValueError) naming it; a bad override, a ValueError naming it."""
     directory = Path(directory)
-    cfg = evaluation_overrides(load_config(directory), topk, kv)
+    cfg = evaluation_overrides(load_config(directory), topk, kv, decoder_global)
     try:
         model = CEDModel(cfg)
     except ValueError as exc:

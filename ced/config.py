@@ -121,6 +121,12 @@ class ModelConfig:
     # "gather" copies each query's k entries; "masked" scores every visible entry with one
     # matmul and masks the unselected ones; "auto" picks the cheaper per query block.
     global_read: str = "auto"
+    # A path ablation, for evaluation (`ced.checkpoint.evaluation_overrides`, decoder_global=off):
+    # False removes every decoder layer's read of the decoder global KV, leaving its window
+    # alone. Evidence from before a bounded replay's start reaches the decoder by that global
+    # read or by the decoder's window chain, which the replay cuts; a model read without the
+    # read shows what the chain carries (docs/semantics.md 2.2). ced only; True as trained.
+    decoder_global_read: bool = True
     # K/V heads of every global KV (the entries a layer's global read sees). None: n_heads,
     # one K and one V row per head (multi-head). 1: one K and one V row per entry shared by
     # every query head (multi-query; V4.1 shares one entry across heads, there as one latent
@@ -300,6 +306,11 @@ def _validate_variant_fields(c: ModelConfig) -> None:
         if global_layers > 0 and c.window < c.encoder_compress_ratio:
             _fail("window", f"must be >= encoder_compress_ratio ({c.encoder_compress_ratio}): "
                   "the window covers the incomplete compression block", c.window)
+    if c.decoder_global_read is not True and (c.decoder_global_read is not False
+                                              or not t.decoder_windows):
+        _fail("decoder_global_read", "must be True, or False for variant 'ced' only (the one "
+              "whose decoder layers keep a window without their global read)",
+              c.decoder_global_read)
     if t.decoder_windows and c.window < c.decoder_compress_ratio:
         _fail("window", f"must be >= decoder_compress_ratio ({c.decoder_compress_ratio}): "
               "the window covers the incomplete compression block", c.window)

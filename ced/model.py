@@ -13,7 +13,7 @@ the modules. Semantics: docs/semantics.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -432,7 +432,8 @@ class CEDModel(nn.Module):
             if block.attn.has_window:
                 lower = shared(ctx.masks, window_lower_bound, positions, spec.window,
                                replay_starts)
-            source = state.sources[spec.global_source] if spec.global_source is not None else None
+            source = (state.sources[spec.global_source] if spec.global_source is not None
+                      and (part == "encoder" or self.cfg.decoder_global_read) else None)
             h = h + self.drop(block.attn(x, positions, lower, state.windows[spec.index],
                                          source, ctx))
             h = h + self.drop(block.mlp(block.mlp_norm(h)))
@@ -453,9 +454,33 @@ class CEDModel(nn.Module):
 
     # ---- the parallel forward ------------------------------------------------------------
 
+    def _check_forward_inputs(self, input_ids: Tensor, **decoder_arguments) -> None:
+        """One-line ValueErrors naming a bad argument of `forward` (its shape, dtype, token
+        range; a decoder argument given to a model without a decoder)."""
+        cfg = self.cfg
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected shape [B, T]; got {tuple(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if t > cfg.max_seq_len:
+            raise ValueError(f"input_ids: length {t} exceeds ModelConfig.max_seq_len="
+                             f"{cfg.max_seq_len}")
+        if input_ids.dtype == torch.bool or input_ids.is_floating_point():
+            raise ValueError(f"input_ids: token ids must have an integer dtype (torch.long); "
+                             f"got {input_ids.dtype}")
+        if input_ids.numel():       # one min/max per call (one device sync), as the engine does
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+            if low < 0 or high >= cfg.vocab_size:
+                raise ValueError(f"input_ids: token ids must lie in [0, {cfg.vocab_size}) "
+                                 f"(ModelConfig.vocab_size); got values from {low} to {high}")
+        for name, given in decoder_arguments.items():
+            if given is not None and not cfg.has_decoder:
+                raise ValueError(f"{name}: variant {cfg.variant!r} has no decoder; only 'yoco' "
+                                 "and 'ced' accept it")
+
     def forward(self, input_ids: Tensor, decoder_replay_start: None | int | Tensor = None,
                 encoder_replay_start: None | int | Tensor = None, *, return_aux: bool = False,
-                dense_global_read: bool = False, document_starts: None | Tensor = None):
+                dense_global_read: bool = False, document_starts: None | Tensor = None,
+                decoder_global_start: None | int | Tensor = None):
         """Parallel forward. input_ids [B, T] -> logits [B, T, V].
 
         decoder_replay_start: None, int, LongTensor[B] or [B, K]: every decoder window query at
@@ -473,25 +498,16 @@ class CEDModel(nn.Module):
         begin at or after d, input token mixing from d. Each document of a packed row is then
         computed as if it stood alone (up to the compression blocks' alignment to d). The
         engine has no such argument: a prompt is one document.
+        decoder_global_start: None, int, LongTensor[B] or [B, K]: the path cut that complements
+        a bounded replay (docs/semantics.md 4.6): a decoder query at i reads only the decoder
+        global entries that begin at or after the latest start s <= i (entries before s
+        removed, as a document start removes them), while its window chain stays whole. A
+        measurement, not an inference mode: the engine has no such argument.
         """
         cfg = self.cfg
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids: expected shape [B, T]; got {tuple(input_ids.shape)}")
+        self._check_forward_inputs(input_ids, decoder_replay_start=decoder_replay_start,
+                                   decoder_global_start=decoder_global_start)
         b, t = input_ids.shape
-        if t > cfg.max_seq_len:
-            raise ValueError(f"input_ids: length {t} exceeds ModelConfig.max_seq_len="
-                             f"{cfg.max_seq_len}")
-        if input_ids.dtype == torch.bool or input_ids.is_floating_point():
-            raise ValueError(f"input_ids: token ids must have an integer dtype (torch.long); "
-                             f"got {input_ids.dtype}")
-        if input_ids.numel():       # one min/max per call (one device sync), as the engine does
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
-            if low < 0 or high >= cfg.vocab_size:
-                raise ValueError(f"input_ids: token ids must lie in [0, {cfg.vocab_size}) "
-                                 f"(ModelConfig.vocab_size); got values from {low} to {high}")
-        if decoder_replay_start is not None and not cfg.has_decoder:
-            raise ValueError(f"decoder_replay_start: variant {cfg.variant!r} has no decoder; "
-                             "only 'yoco' and 'ced' accept it")
         dec_starts = as_replay_starts(decoder_replay_start, b, "decoder_replay_start",
                                       input_ids.device)
         enc_starts = as_replay_starts(encoder_replay_start, b, "encoder_replay_start",
@@ -506,6 +522,13 @@ class CEDModel(nn.Module):
         h = self.run_layers("encoder", h, positions, state, ctx, enc_starts)
         if cfg.has_decoder:
             self.feed_decoder_source(h, positions, state)
+            if decoder_global_start is not None:
+                cut = merge_starts(docs, as_replay_starts(decoder_global_start, b,
+                                                          "decoder_global_start",
+                                                          input_ids.device))
+                # The decoder's global reads see the cut as a document start; its windows
+                # do not (dec_starts). Fresh masks: the encoder's were built without it.
+                ctx = replace(ctx, document_starts=cut, masks={}, selections={})
             h = self.run_layers("decoder", h, positions, state, ctx, dec_starts)
         logits = self.logits(h)
         if not return_aux:

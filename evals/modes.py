@@ -227,8 +227,10 @@ def promises_exact(mode: Mode, r_exact: int) -> bool:
 #   prefix_cache    1 / 0 for a new turn (0: the prefix's windows kept); empty: one turn
 #   topk_read       the run's evaluation-time top-k ('2', 'all'); empty: as trained
 #   kv              the run's evaluation-time KV storage formats; empty: as trained
+#   decoder_global  'off': read without the decoder's global read (docs/semantics.md 4.6);
+#                   empty: as trained
 MODE_COLUMNS = ("replay_given", "replay_n", "turn", "policy", "encoder_replay", "prefix_cache",
-                "topk_read", "kv")
+                "topk_read", "kv", "decoder_global")
 _NUMBER_COLUMNS = ("replay_n", "turn", "prefix_cache")
 FULL = "full"
 
@@ -252,19 +254,21 @@ def _replay_n(mode: Mode, r_exact: int | None, window: int | None) -> int | None
 
 
 def mode_columns(mode: Mode, r_exact: int | None = None, window: int | None = None, *,
-                 topk_read: int | str | None = None, kv: str | None = None) -> dict[str, Any]:
+                 topk_read: int | str | None = None, kv: str | None = None,
+                 decoder_global: str | None = None) -> dict[str, Any]:
     """`mode` as MODE_COLUMNS (described above) for a CSV row: numbers as ints, forms as text,
     "" where a field is not set. `r_exact` and `window` are the model's R_exact and W, which
-    resolve 'exact' and window forms into replay_n; `topk_read` and `kv` are the run's
-    evaluation-time overrides (`ced.checkpoint.evaluation_overrides`), None where the model
-    reads as trained."""
+    resolve 'exact' and window forms into replay_n; `topk_read`, `kv` and `decoder_global` are
+    the run's evaluation-time overrides (`ced.checkpoint.evaluation_overrides`), None where the
+    model reads as trained."""
     turn = mode.turn is not None
     n = _replay_n(mode, r_exact, window)
     return {"replay_given": _text(mode.replay), "replay_n": "" if n is None else int(n),
             "turn": mode.turn if turn else "", "policy": (mode.policy or "") if turn else "",
             "encoder_replay": _text(mode.encoder_replay) if turn else "",
             "prefix_cache": int(mode.prefix_cache) if turn else "",
-            "topk_read": _text(topk_read), "kv": _text(kv)}
+            "topk_read": _text(topk_read), "kv": _text(kv),
+            "decoder_global": _text(decoder_global)}
 
 
 def label_columns(label: str, r_exact: int | None = None,

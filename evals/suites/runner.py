@@ -56,12 +56,15 @@ FULL = "full"
 # ---- model ----------------------------------------------------------------------------------
 
 def load_checkpoint(path: str | Path, topk: int | str | None = None, dtype: str = "float32",
-                    device: str = "cpu", kv: str | None = None) -> CEDModel:
+                    device: str = "cpu", kv: str | None = None,
+                    decoder_global: str | None = None) -> CEDModel:
     """`ced.checkpoint.load_model` with its evaluation overrides (`topk`: an int or "all";
-    `kv`: storage formats such as "global:fp4_block16"), cast to `dtype`."""
+    `kv`: storage formats such as "global:fp4_block16"; `decoder_global`: "off" removes the
+    decoder's global read, docs/semantics.md 4.6), cast to `dtype`."""
     if dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"dtype: one of float32, float64, bfloat16; got {dtype!r}")
-    model = load_model(path, map_location=device, topk=topk, kv=kv)
+    model = load_model(path, map_location=device, topk=topk, kv=kv,
+                       decoder_global=decoder_global)
     return model.to(dtype=getattr(torch, dtype)).eval()
 
 
@@ -98,7 +101,7 @@ def suite_modes(cfg, replays: Iterable[int],
 
 # ---- evaluation ------------------------------------------------------------------------------
 
-def _chunks(docs: list[dict], batch_size: int):
+def length_batches(docs: list[dict], batch_size: int):
     """Batches of documents with equal prompt and target lengths (the engine batches rows of
     one length)."""
     groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
@@ -128,11 +131,13 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[Mode]
                        kv: str | None = None) -> tuple[list[dict], list[str]]:
     """Score every document under every mode. Returns (rows, warnings); one row per
     (document, mode), its mode as the label and as `evals.modes.mode_columns` (`topk_read`,
-    `kv`: the run's evaluation-time overrides, None where the model reads as trained)."""
+    `kv`: the run's evaluation-time overrides, None where the model reads as trained; the
+    decoder_global column is read off the model's config)."""
     engine = engine or make_engine(model)
     cfg = model.cfg
     r_exact = exact_replay_length(cfg) if cfg.has_decoder else None
-    columns = {m.name: mode_columns(m, r_exact, cfg.window, topk_read=topk_read, kv=kv)
+    columns = {m.name: mode_columns(m, r_exact, cfg.window, topk_read=topk_read, kv=kv,
+                                    decoder_global=None if cfg.decoder_global_read else "off")
                for m in [named_mode(), *base_modes, *turn_modes]}
     rows: list[dict] = []
     warnings: list[str] = []
@@ -145,7 +150,7 @@ def evaluate_documents(model: CEDModel, docs: list[dict], base_modes: list[Mode]
         fam = FAMILIES.get(fam_name)
         modes = base_modes + (turn_modes if fam is None or fam.turn_modes else [])
         modes = [named_mode()] + [m for m in modes if m.name != FULL]   # full first: the reference
-        for batch in _chunks(fam_docs, batch_size):
+        for batch in length_batches(fam_docs, batch_size):
             stop_point()        # a SIGTERM/SIGINT stops here, before anything is written
             ctx = torch.tensor([prompt_ids(d) for d in batch], device=device)
             tgt = torch.tensor([target_ids(d) for d in batch], device=device)
@@ -373,6 +378,10 @@ class SuiteConfig:
     kv: Optional[str] = option(None, help=(
         "override KV storage formats, e.g. window:fp8,global:fp4_block16,indexer:fp4_block32 "
         "(fake quantisation at the storage points)"))
+    decoder_global: Optional[str] = option(None, choices=["on", "off"], help=(
+        "off: read the model without its decoder's global read, the path ablation of "
+        "docs/semantics.md 4.6 (what the decoder's window chain carries alone); default: as "
+        "trained"))
     batch_size: int = option(64, help="documents per forward pass")
     dtype: str = option("float32", choices=["float32", "float64", "bfloat16"],
                         help="the model's dtype")
@@ -421,7 +430,8 @@ def run_suite(config: SuiteConfig) -> dict:
     c = config
     check_out(c)
     out = Path(c.out)
-    model = load_checkpoint(c.checkpoint, topk=c.topk, dtype=c.dtype, device=c.device, kv=c.kv)
+    model = load_checkpoint(c.checkpoint, topk=c.topk, dtype=c.dtype, device=c.device, kv=c.kv,
+                            decoder_global=c.decoder_global)
     out.mkdir(parents=True, exist_ok=True)   # only once the checkpoint loaded
     cfg = model.cfg
     stated = _stated_replays(cfg, c.replays)

@@ -119,7 +119,7 @@ def test_the_suite_writes_the_columns_beside_each_label(tmp_path):
     out = tmp_path / "run"
     run_suite(SuiteConfig(str(checkpoint), ["W/2", "W"], str(out), examples=1,
                           families=["recall", "multiturn"], turns=[3], plot=False, wandb=False,
-                          quiet=True, topk="2", kv="window:fp8"))
+                          quiet=True, topk="2", kv="window:fp8", decoder_global="off"))
     header = next(csv.reader(open(out / "results.csv")))
     assert [c for c in header if c not in MODE_COLUMNS or c in ("turn", "policy")] == [
         "id", "family", "x_name", "x", "seed", "mode", "replay", "turn", "policy", "distance",
@@ -130,9 +130,10 @@ def test_the_suite_writes_the_columns_beside_each_label(tmp_path):
         assert set(MODE_COLUMNS) <= set(table.columns), name
         written = with_mode_columns(table)
         from_labels = with_mode_columns(table[["mode"]], r_exact=11, window=6)
-        columns = [c for c in MODE_COLUMNS if c not in ("topk_read", "kv")]
+        columns = [c for c in MODE_COLUMNS if c not in ("topk_read", "kv", "decoder_global")]
         pd.testing.assert_frame_equal(written[columns], from_labels[columns])
         assert set(written["topk_read"]) == {"2"} and set(written["kv"]) == {"window:fp8"}
+        assert set(written["decoder_global"]) == {"off"}
         by_label = written.drop_duplicates("mode").set_index("mode")
         assert by_label.loc["replay=3", ["replay_given", "replay_n"]].tolist() == ["3", 3.0]
         assert by_label.loc["replay=exact", "replay_n"] == 11.0

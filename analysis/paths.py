@@ -1,0 +1,194 @@
+"""Which path carries each model's evidence past the replay start: `python -m analysis.paths`.
+
+    python -m analysis.paths --paths DIR --models findings/encoder_w/models.csv \
+        --out findings/encoder_w
+
+Reads `evals.paths`' rows.csv (--paths: its --out; every document read `full`, `replay`,
+`global_cut` and `both` at the same cut s = T - N, docs/semantics.md 4.6) and keeps, as
+`analysis.reach` does, the competent bins: per model x family x span start, `full` accuracy
+>= COMPETENT. On the documents of those bins whose evidence lies before the cut (distance > N)
+and that `full` answers, per model and N, each reading's retained share and its chance level,
+and the share a path carries above chance, (retained - chance) / (1 - chance):
+
+  global   what `replay` keeps: the decoder's global read (and the encoder) alone;
+  chain    what `global_cut` keeps: the decoder's window chain (and the encoder) alone;
+  encoder  what `both` keeps: the encoder's hidden state at the replayed positions alone.
+
+Beside each model its drop at N = W beyond (models.csv of `analysis.reach`, --models): does the
+chain's share predict what a bounded replay loses? Writes
+
+  paths.csv        per model x N x path: documents, kept, retained with its Wilson CI,
+                   chance, carried, and the model's drop at N = W beyond
+  paths_cells.csv  per job x N x path: models, mean carried with its Student t (seed-level)
+                   interval, mean retained, and the pooled example-level Wilson CI
+  paths.md         the cells at N = W and the Spearman correlations at N = W, with the inputs
+  paths.png        carried share against N per job and path; chain against the drop at N = W
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from evals.cli import list_written
+from evals.paths import retained
+from evals.plots import grid, save
+from evals.suites.stats import seed_t_test, wilson_interval
+
+from .per_model import COMPETENT
+
+PATHS = {"replay": "global", "global_cut": "chain", "both": "encoder"}
+
+
+def competent_rows(rows: pd.DataFrame, competent: float = COMPETENT) -> pd.DataFrame:
+    """rows (`evals.paths` rows.csv) of the bins (model x family x x) where `full` reaches
+    `competent` accuracy; `full` is read once per document, so its N-copies are one."""
+    full = rows[rows["reading"] == "full"].drop_duplicates(["model", "id"])
+    accuracy = full.groupby(["model", "family", "x"])["correct"].mean()
+    keep = accuracy[accuracy >= competent].reset_index()[["model", "family", "x"]]
+    return rows.merge(keep, on=["model", "family", "x"])
+
+
+def per_model(rows: pd.DataFrame, drops: pd.DataFrame | None = None,
+              competent: float = COMPETENT) -> pd.DataFrame:
+    """One row per model x N x path (see the module docstring); `drops`: models.csv with
+    job, seed and drop_beyond (None: no drop column)."""
+    table = retained(competent_rows(rows, competent))
+    if table.empty:
+        return table
+    table["path"] = table["reading"].map(PATHS)
+    spare = (1 - table["chance"]).where(table["chance"] < 1)
+    table["carried"] = (table["retained"] - table["chance"]) / spare
+    if drops is not None:
+        table = table.merge(drops[["job", "seed", "drop_beyond"]].rename(
+            columns={"drop_beyond": "drop_at_W_beyond"}), on=["job", "seed"], how="left")
+    return table
+
+
+def cells(models: pd.DataFrame) -> pd.DataFrame:
+    """Per job x N x path: the mean carried share over models with its seed-level t
+    interval, the mean retained share, and the example-level Wilson CI of the pooled kept /
+    documents."""
+    out = []
+    for (job, n, path), group in models.groupby(["job", "N", "path"]):
+        low, high, _ = seed_t_test(group["carried"].dropna())
+        kept, docs = int(group["kept"].sum()), int(group["n"].sum())
+        ex_low, ex_high = wilson_interval(kept, docs)
+        out.append({"job": job, "N": n, "path": path, "models": len(group),
+                    "carried": float(group["carried"].mean()), "model_ci_low": low,
+                    "model_ci_high": high, "retained": float(group["retained"].mean()),
+                    "documents": docs, "kept": kept, "example_ci_low": ex_low,
+                    "example_ci_high": ex_high, "chance": float(group["chance"].mean())})
+    return pd.DataFrame(out)
+
+
+def correlations(models: pd.DataFrame) -> pd.DataFrame:
+    """Per path at each model's smallest N (N = W on the evals.paths default): Spearman's
+    rho of the carried share against the drop at N = W beyond, over the models with both."""
+    from scipy.stats import spearmanr   # lazy: scipy.stats costs ~0.6 s to import
+    first = models[models["N"] == models.groupby("model")["N"].transform("min")]
+    out = []
+    for path, group in first.groupby("path"):
+        pairs = group.dropna(subset=["carried", "drop_at_W_beyond"])
+        rho, p = (spearmanr(pairs["carried"], pairs["drop_at_W_beyond"])
+                  if len(pairs) >= 3 and pairs["carried"].nunique() > 1
+                  and pairs["drop_at_W_beyond"].nunique() > 1 else (np.nan, np.nan))
+        out.append({"path": path, "models": len(pairs), "rho": float(rho), "p": float(p)})
+    return pd.DataFrame(out)
+
+
+def figure(models: pd.DataFrame, table: pd.DataFrame):
+    """Left: carried share against N / W per job (lines: chain solid, global dashed, encoder
+    dotted) with the model-level CI. Right: chain's share at the smallest N against the drop
+    at N = W beyond, a point per model."""
+    fig, (left, right) = grid(2, 5.0, 3.8)
+    styles = {"chain": "-", "global": "--", "encoder": ":"}
+    windows = models.groupby("job")["N"].min()
+    for i, job in enumerate(sorted(table["job"].unique())):
+        for path, style in styles.items():
+            part = table[(table["job"] == job) & (table["path"] == path)].sort_values("N")
+            x = part["N"] / windows[job]
+            left.errorbar(x, part["carried"], linestyle=style, color=f"C{i % 10}", marker="o",
+                          yerr=[(part["carried"] - part["model_ci_low"]).fillna(0).clip(lower=0),
+                                (part["model_ci_high"] - part["carried"]).fillna(0).clip(lower=0)],
+                          capsize=2, label=f"{job}: {path}" if path == "chain" else None)
+    left.axhline(0, color="black", linewidth=0.8)
+    left.set(xlabel="cut N / W (the smallest N read)", ylabel="share carried above chance",
+             title="solid: window chain alone; dashed: global read alone; dotted: encoder")
+    first = models[(models["path"] == "chain")
+                   & (models["N"] == models.groupby("model")["N"].transform("min"))]
+    for i, job in enumerate(sorted(first["job"].unique())):
+        part = first[first["job"] == job]
+        right.scatter(part["carried"], part["drop_at_W_beyond"], color=f"C{i % 10}", label=job)
+    right.set(xlabel="share the window chain alone carries at N = W",
+              ylabel="drop at N = W, evidence beyond W")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    left.title.set_fontsize(7)
+    return fig
+
+
+def markdown(table: pd.DataFrame, rho: pd.DataFrame, sources: dict) -> str:
+    def ci(low, high):
+        return "-" if pd.isna(low) else f"[{low:+.2f}, {high:+.2f}]"
+    first = table[table["N"] == table.groupby("job")["N"].transform("min")]
+    lines = ["# Which path carries the evidence past the replay start (analysis.paths)", "",
+             f"Inputs: {json.dumps(sources)}", "",
+             "Competent bins, evidence before the cut, answers `full` gets right; carried = "
+             "(retained - chance) / (1 - chance). At the smallest N read (N = W):", "",
+             "| job | path | models | carried | model CI | retained | example CI | documents |",
+             "|---|---|---|---|---|---|---|---|"]
+    for _, r in first.sort_values(["job", "path"]).iterrows():
+        lines.append(f"| {r.job} | {r.path} | {r.models} | {r.carried:+.2f} | "
+                     f"{ci(r.model_ci_low, r.model_ci_high)} | {r.retained:.2f} | "
+                     f"[{r.example_ci_low:.2f}, {r.example_ci_high:.2f}] | {r.documents} |")
+    lines += ["", "Spearman, carried share at N = W against the drop at N = W beyond:", "",
+              "| path | models | rho | p |", "|---|---|---|---|"]
+    lines += [f"| {r.path} | {r.models} | {r.rho:+.2f} | {r.p:.2g} |" for _, r in rho.iterrows()]
+    return "\n".join(lines) + "\n"
+
+
+def write(paths: Path, out: Path, models_csv: Path | None = None) -> dict[str, Path]:
+    """Read evals.paths' rows.csv under `paths` (and models.csv), write the outputs into
+    `out`; returns {name: path}. Missing inputs raise FileNotFoundError."""
+    rows = pd.read_csv(paths / "rows.csv")
+    drops = pd.read_csv(models_csv) if models_csv else None
+    models = per_model(rows, drops)
+    if models.empty:
+        raise ValueError(f"{paths / 'rows.csv'}: no competent bin with evidence before a cut")
+    table = cells(models)
+    rho = correlations(models) if drops is not None else pd.DataFrame(
+        columns=["path", "models", "rho", "p"])
+    out.mkdir(parents=True, exist_ok=True)
+    written = {"paths": out / "paths.csv", "paths_cells": out / "paths_cells.csv",
+               "paths_md": out / "paths.md", "paths_png": out / "paths.png"}
+    models.to_csv(written["paths"], index=False)
+    table.to_csv(written["paths_cells"], index=False)
+    sources = {"paths": str(paths), "models": str(models_csv) if models_csv else None}
+    written["paths_md"].write_text(markdown(table, rho, sources))
+    save(figure(models, table), written["paths_png"])
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.paths", description=(
+        "Per model and cell: the share of the evidence before a replay's cut that the "
+        "decoder's window chain, its global read and the encoder each carry alone."))
+    parser.add_argument("--paths", required=True, help="an evals.paths output directory")
+    parser.add_argument("--models", default=None, help=(
+        "analysis.reach's models.csv (the drop at N = W beyond per model), for the "
+        "correlations"))
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    return list_written("paths", lambda: write(Path(args.paths), Path(args.out),
+                                               Path(args.models) if args.models else None),
+                        errors=(FileNotFoundError, ValueError))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""analysis.paths on a fabricated evals.paths table: only competent bins count; carried is
+(retained - chance) / (1 - chance); the cell interval is over models; the correlation reads
+each model's smallest N."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from analysis.paths import cells, competent_rows, correlations, per_model, write
+
+READINGS = ("full", "replay", "global_cut", "both")
+
+
+def fabricated(models: dict[str, float], n: int = 40, seed: int = 0) -> pd.DataFrame:
+    """Per model (job J, seeds 0..): one competent bin beyond N = 4 (d = 8, full always right)
+    where the chain keeps a share `chain` of the answers and the global read a share 0.5, one
+    bin inside the replay (d = 2), and one bin full fails (d = 16: never counted)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for seed_, (model, chain) in enumerate(models.items()):
+        for d, full in ((8, 1.0), (2, 1.0), (16, 0.3)):
+            for i in range(n):
+                got = {"full": int(rng.random() < full)}
+                got["global_cut"] = int(got["full"] and i < chain * n)
+                got["replay"] = int(got["full"] and i % 2 == 0)
+                got["both"] = 0
+                rows += [{"job": "J", "seed": seed_, "model": model, "family": "f", "x": d,
+                          "id": f"{d}/{i}", "distance": d, "chance": 0.0, "N": 4,
+                          "reading": r, "correct": got[r], "nll": 0.0} for r in READINGS]
+    return pd.DataFrame(rows)
+
+
+def test_only_competent_bins_beyond_the_cut_count():
+    rows = fabricated({"J/seed0": 0.75})
+    assert set(competent_rows(rows)["x"]) == {8, 2}
+    table = per_model(rows).set_index("path")
+    assert (table["n"] == 40).all()                       # the d = 8 bin only
+    assert math.isclose(table.loc["chain", "carried"], 0.75)
+    assert math.isclose(table.loc["global", "carried"], 0.5)
+    assert table.loc["encoder", "carried"] == 0
+
+
+def test_carried_subtracts_chance():
+    rows = fabricated({"J/seed0": 0.75}).assign(chance=0.5)
+    table = per_model(rows).set_index("path")
+    assert math.isclose(table.loc["chain", "carried"], (0.75 - 0.5) / 0.5)
+    assert math.isclose(table.loc["encoder", "carried"], -1.0)
+
+
+def test_cells_and_correlations_over_models(tmp_path):
+    chains = {"J/seed0": 0.25, "J/seed1": 0.5, "J/seed2": 0.75}
+    rows = fabricated(chains)
+    drops = pd.DataFrame({"job": "J", "seed": [0, 1, 2], "drop_beyond": [-0.1, -0.3, -0.6]})
+    models = per_model(rows, drops)
+    chain = cells(models).set_index("path").loc["chain"]
+    assert chain["models"] == 3 and math.isclose(chain["carried"], 0.5)
+    half = 4.302652729911275 * 0.25 / math.sqrt(3)
+    assert math.isclose(chain["model_ci_high"] - chain["carried"], half, rel_tol=1e-9)
+    rho = correlations(models).set_index("path")
+    assert math.isclose(rho.loc["chain", "rho"], -1.0) and rho.loc["chain", "models"] == 3
+    (tmp_path / "p").mkdir()
+    rows.to_csv(tmp_path / "p" / "rows.csv", index=False)
+    drops.to_csv(tmp_path / "models.csv", index=False)
+    written = write(tmp_path / "p", tmp_path / "out", tmp_path / "models.csv")
+    assert all(p.exists() for p in written.values())
+    assert "| J | chain | 3 | +0.50 |" in written["paths_md"].read_text()
