@@ -7,22 +7,31 @@ Reads `evals.paths`' rows.csv (--paths: its --out; every document read `full`, `
 `global_cut` and `both` at the same cut s = T - N, docs/semantics.md 4.6) and keeps, as
 `analysis.reach` does, the competent bins: per model x family x span start, `full` accuracy
 >= COMPETENT. On the documents of those bins whose evidence lies before the cut (distance > N)
-and that `full` answers, per model and N, each reading's retained share and its chance level,
-and the share a path carries above chance, (retained - chance) / (1 - chance):
+and that `full` answers, per model and N, the share of those answers each path keeps alone
+(`retained`), beside the documents' chance level:
 
   global   what `replay` keeps: the decoder's global read (and the encoder) alone;
   chain    what `global_cut` keeps: the decoder's window chain (and the encoder) alone;
   encoder  what `both` keeps: the encoder's hidden state at the replayed positions alone.
 
+The shares are not corrected for chance: a model that has lost the evidence does not guess, it
+answers from what it still sees (a count of the visible span), so its retained share falls
+below chance, where a chance correction would report a negative amount carried. `global` is
+the bounded replay itself, so its share restates the drop at N = W; `chain` and `encoder` are
+what the replay cannot show.
+
 Beside each model its drop at N = W beyond (models.csv of `analysis.reach`, --models): does the
 chain's share predict what a bounded replay loses? Writes
 
   paths.csv        per model x N x path: documents, kept, retained with its Wilson CI,
-                   chance, carried, and the model's drop at N = W beyond
-  paths_cells.csv  per job x N x path: models, mean carried with its Student t (seed-level)
-                   interval, mean retained, and the pooled example-level Wilson CI
+                   chance, and the model's drop at N = W beyond
+  paths_cells.csv  per job x N x path: models, mean retained with its Student t (seed-level)
+                   interval, and the pooled example-level Wilson CI
+  paths_by_distance.csv  per job x span start d x path at N = W: the retained share averaged
+                   over the models competent on the bin (families pooled), with its min and max
   paths.md         the cells at N = W and the Spearman correlations at N = W, with the inputs
-  paths.png        carried share against N per job and path; chain against the drop at N = W
+  paths.png        retained share against N per job and path, and against d at N = W; chain
+                   against the drop at N = W
 """
 
 from __future__ import annotations
@@ -61,8 +70,6 @@ def per_model(rows: pd.DataFrame, drops: pd.DataFrame | None = None,
     if table.empty:
         return table
     table["path"] = table["reading"].map(PATHS)
-    spare = (1 - table["chance"]).where(table["chance"] < 1)
-    table["carried"] = (table["retained"] - table["chance"]) / spare
     if drops is not None:
         table = table.merge(drops[["job", "seed", "drop_beyond"]].rename(
             columns={"drop_beyond": "drop_at_W_beyond"}), on=["job", "seed"], how="left")
@@ -70,63 +77,92 @@ def per_model(rows: pd.DataFrame, drops: pd.DataFrame | None = None,
 
 
 def cells(models: pd.DataFrame) -> pd.DataFrame:
-    """Per job x N x path: the mean carried share over models with its seed-level t
-    interval, the mean retained share, and the example-level Wilson CI of the pooled kept /
-    documents."""
+    """Per job x N x path: the mean retained share over models with its seed-level t
+    interval, and the example-level Wilson CI of the pooled kept / documents."""
     out = []
     for (job, n, path), group in models.groupby(["job", "N", "path"]):
-        low, high, _ = seed_t_test(group["carried"].dropna())
+        low, high, _ = seed_t_test(group["retained"])
         kept, docs = int(group["kept"].sum()), int(group["n"].sum())
         ex_low, ex_high = wilson_interval(kept, docs)
         out.append({"job": job, "N": n, "path": path, "models": len(group),
-                    "carried": float(group["carried"].mean()), "model_ci_low": low,
-                    "model_ci_high": high, "retained": float(group["retained"].mean()),
-                    "documents": docs, "kept": kept, "example_ci_low": ex_low,
+                    "retained": float(group["retained"].mean()), "model_ci_low": low,
+                    "model_ci_high": high, "documents": docs, "kept": kept, "example_ci_low": ex_low,
                     "example_ci_high": ex_high, "chance": float(group["chance"].mean())})
     return pd.DataFrame(out)
 
 
+def by_distance(rows: pd.DataFrame, competent: float = COMPETENT) -> pd.DataFrame:
+    """Per job x span start d x path, at each model's smallest N (N = W by default): the
+    retained share of each model competent on the bin (families pooled), averaged over those
+    models; d <= N rows are left out (nothing to cut)."""
+    kept = competent_rows(rows, competent)
+    kept = kept[kept["N"] == kept.groupby("model")["N"].transform("min")]
+    out = []
+    for d, part in kept[kept["distance"] > kept["N"]].groupby("distance"):
+        shares = retained(part)
+        if shares.empty:
+            continue
+        for (job, reading), group in shares.groupby(["job", "reading"]):
+            out.append({"job": job, "distance": d, "path": PATHS[reading],
+                        "models": len(group), "retained": float(group["retained"].mean()),
+                        "retained_min": float(group["retained"].min()),
+                        "retained_max": float(group["retained"].max()),
+                        "documents": int(group["n"].sum()),
+                        "chance": float(group["chance"].mean())})
+    return pd.DataFrame(out, columns=["job", "distance", "path", "models", "retained",
+                                      "retained_min", "retained_max", "documents", "chance"])
+
+
 def correlations(models: pd.DataFrame) -> pd.DataFrame:
     """Per path at each model's smallest N (N = W on the evals.paths default): Spearman's
-    rho of the carried share against the drop at N = W beyond, over the models with both."""
+    rho of the retained share against the drop at N = W beyond, over the models with both
+    (for `global`, the replay itself: a restatement, not a finding)."""
     from scipy.stats import spearmanr   # lazy: scipy.stats costs ~0.6 s to import
     first = models[models["N"] == models.groupby("model")["N"].transform("min")]
     out = []
     for path, group in first.groupby("path"):
-        pairs = group.dropna(subset=["carried", "drop_at_W_beyond"])
-        rho, p = (spearmanr(pairs["carried"], pairs["drop_at_W_beyond"])
-                  if len(pairs) >= 3 and pairs["carried"].nunique() > 1
+        pairs = group.dropna(subset=["retained", "drop_at_W_beyond"])
+        rho, p = (spearmanr(pairs["retained"], pairs["drop_at_W_beyond"])
+                  if len(pairs) >= 3 and pairs["retained"].nunique() > 1
                   and pairs["drop_at_W_beyond"].nunique() > 1 else (np.nan, np.nan))
         out.append({"path": path, "models": len(pairs), "rho": float(rho), "p": float(p)})
     return pd.DataFrame(out)
 
 
-def figure(models: pd.DataFrame, table: pd.DataFrame):
-    """Left: carried share against N / W per job (lines: chain solid, global dashed, encoder
-    dotted) with the model-level CI. Right: chain's share at the smallest N against the drop
-    at N = W beyond, a point per model."""
-    fig, (left, right) = grid(2, 5.0, 3.8)
+def figure(models: pd.DataFrame, table: pd.DataFrame, distance: pd.DataFrame):
+    """Left: retained share against N / W per job (lines: chain solid, global dashed, encoder
+    dotted) with the model-level CI. Middle: at N = W, against the span start d / W. Right:
+    chain's share at the smallest N against the drop at N = W beyond, a point per model."""
+    fig, (left, middle, right) = grid(3, 5.0, 3.8)
     styles = {"chain": "-", "global": "--", "encoder": ":"}
     windows = models.groupby("job")["N"].min()
+    for i, job in enumerate(sorted(distance["job"].unique())):
+        for path, style in styles.items():
+            part = distance[(distance["job"] == job) & (distance["path"] == path)]
+            middle.plot(part["distance"] / windows[job], part["retained"], linestyle=style,
+                        marker=".", color=f"C{i % 10}", label=job if path == "chain" else None)
+    middle.axhline(0, color="black", linewidth=0.8)
+    middle.set(xlabel="span start d / W (competent bins, N = W)",
+               ylabel="share of full's answers kept")
     for i, job in enumerate(sorted(table["job"].unique())):
         for path, style in styles.items():
             part = table[(table["job"] == job) & (table["path"] == path)].sort_values("N")
             x = part["N"] / windows[job]
-            left.errorbar(x, part["carried"], linestyle=style, color=f"C{i % 10}", marker="o",
-                          yerr=[(part["carried"] - part["model_ci_low"]).fillna(0).clip(lower=0),
-                                (part["model_ci_high"] - part["carried"]).fillna(0).clip(lower=0)],
+            left.errorbar(x, part["retained"], linestyle=style, color=f"C{i % 10}", marker="o",
+                          yerr=[(part["retained"] - part["model_ci_low"]).fillna(0).clip(lower=0),
+                                (part["model_ci_high"] - part["retained"]).fillna(0).clip(lower=0)],
                           capsize=2, label=f"{job}: {path}" if path == "chain" else None)
     left.axhline(0, color="black", linewidth=0.8)
-    left.set(xlabel="cut N / W (the smallest N read)", ylabel="share carried above chance",
+    left.set(xlabel="cut N / W (the smallest N read)", ylabel="share of full's answers kept",
              title="solid: window chain alone; dashed: global read alone; dotted: encoder")
     first = models[(models["path"] == "chain")
                    & (models["N"] == models.groupby("model")["N"].transform("min"))]
     for i, job in enumerate(sorted(first["job"].unique())):
         part = first[first["job"] == job]
-        right.scatter(part["carried"], part["drop_at_W_beyond"], color=f"C{i % 10}", label=job)
-    right.set(xlabel="share the window chain alone carries at N = W",
+        right.scatter(part["retained"], part["drop_at_W_beyond"], color=f"C{i % 10}", label=job)
+    right.set(xlabel="share the window chain alone keeps at N = W",
               ylabel="drop at N = W, evidence beyond W")
-    for ax in (left, right):
+    for ax in (left, middle, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     left.title.set_fontsize(7)
@@ -135,19 +171,21 @@ def figure(models: pd.DataFrame, table: pd.DataFrame):
 
 def markdown(table: pd.DataFrame, rho: pd.DataFrame, sources: dict) -> str:
     def ci(low, high):
-        return "-" if pd.isna(low) else f"[{low:+.2f}, {high:+.2f}]"
+        return "-" if pd.isna(low) else f"[{low:.2f}, {high:.2f}]"
     first = table[table["N"] == table.groupby("job")["N"].transform("min")]
     lines = ["# Which path carries the evidence past the replay start (analysis.paths)", "",
              f"Inputs: {json.dumps(sources)}", "",
-             "Competent bins, evidence before the cut, answers `full` gets right; carried = "
-             "(retained - chance) / (1 - chance). At the smallest N read (N = W):", "",
-             "| job | path | models | carried | model CI | retained | example CI | documents |",
+             "Competent bins, evidence before the cut, answers `full` gets right: the share "
+             "each path keeps alone. At the smallest N read (N = W):", "",
+             "| job | path | models | retained | model CI | example CI | documents | chance |",
              "|---|---|---|---|---|---|---|---|"]
     for _, r in first.sort_values(["job", "path"]).iterrows():
-        lines.append(f"| {r.job} | {r.path} | {r.models} | {r.carried:+.2f} | "
-                     f"{ci(r.model_ci_low, r.model_ci_high)} | {r.retained:.2f} | "
-                     f"[{r.example_ci_low:.2f}, {r.example_ci_high:.2f}] | {r.documents} |")
-    lines += ["", "Spearman, carried share at N = W against the drop at N = W beyond:", "",
+        lines.append(f"| {r.job} | {r.path} | {r.models} | {r.retained:.2f} | "
+                     f"{ci(r.model_ci_low, r.model_ci_high)} | "
+                     f"[{r.example_ci_low:.2f}, {r.example_ci_high:.2f}] | {r.documents} | "
+                     f"{r.chance:.2f} |")
+    lines += ["", "Spearman, retained share at N = W against the drop at N = W beyond "
+              "(global: the replay itself, a restatement):", "",
               "| path | models | rho | p |", "|---|---|---|---|"]
     lines += [f"| {r.path} | {r.models} | {r.rho:+.2f} | {r.p:.2g} |" for _, r in rho.iterrows()]
     return "\n".join(lines) + "\n"
@@ -166,12 +204,15 @@ def write(paths: Path, out: Path, models_csv: Path | None = None) -> dict[str, P
         columns=["path", "models", "rho", "p"])
     out.mkdir(parents=True, exist_ok=True)
     written = {"paths": out / "paths.csv", "paths_cells": out / "paths_cells.csv",
+               "paths_by_distance": out / "paths_by_distance.csv",
                "paths_md": out / "paths.md", "paths_png": out / "paths.png"}
     models.to_csv(written["paths"], index=False)
     table.to_csv(written["paths_cells"], index=False)
+    distance = by_distance(rows)
+    distance.to_csv(written["paths_by_distance"], index=False)
     sources = {"paths": str(paths), "models": str(models_csv) if models_csv else None}
     written["paths_md"].write_text(markdown(table, rho, sources))
-    save(figure(models, table), written["paths_png"])
+    save(figure(models, table, distance), written["paths_png"])
     return written
 
 

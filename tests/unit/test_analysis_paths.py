@@ -1,5 +1,5 @@
-"""analysis.paths on a fabricated evals.paths table: only competent bins count; carried is
-(retained - chance) / (1 - chance); the cell interval is over models; the correlation reads
+"""analysis.paths on a fabricated evals.paths table: only competent bins beyond the cut count,
+and only the answers `full` gets right; the cell interval is over models; the correlation reads
 each model's smallest N."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.paths import cells, competent_rows, correlations, per_model, write
+from analysis.paths import by_distance, cells, competent_rows, correlations, per_model, write
 
 READINGS = ("full", "replay", "global_cut", "both")
 
@@ -38,16 +38,22 @@ def test_only_competent_bins_beyond_the_cut_count():
     assert set(competent_rows(rows)["x"]) == {8, 2}
     table = per_model(rows).set_index("path")
     assert (table["n"] == 40).all()                       # the d = 8 bin only
-    assert math.isclose(table.loc["chain", "carried"], 0.75)
-    assert math.isclose(table.loc["global", "carried"], 0.5)
-    assert table.loc["encoder", "carried"] == 0
+    assert math.isclose(table.loc["chain", "retained"], 0.75)
+    assert math.isclose(table.loc["global", "retained"], 0.5)
+    assert table.loc["encoder", "retained"] == 0
+    distance = by_distance(rows).set_index("path")
+    assert distance["distance"].tolist() == [8, 8, 8]      # d = 2 is inside the replay
+    assert math.isclose(distance.loc["chain", "retained"], 0.75)
 
 
-def test_carried_subtracts_chance():
-    rows = fabricated({"J/seed0": 0.75}).assign(chance=0.5)
+def test_only_answers_full_gets_right_count():
+    """A bin where full is competent but misses some answers: the missed ones are not counted
+    as kept or lost by any path."""
+    rows = fabricated({"J/seed0": 1.0})
+    missed = rows["id"].isin({"8/0", "8/1"})
+    rows.loc[missed & (rows["reading"] == "full"), "correct"] = 0
     table = per_model(rows).set_index("path")
-    assert math.isclose(table.loc["chain", "carried"], (0.75 - 0.5) / 0.5)
-    assert math.isclose(table.loc["encoder", "carried"], -1.0)
+    assert (table["n"] == 38).all() and (table.loc["chain", "kept"] == 38)
 
 
 def test_cells_and_correlations_over_models(tmp_path):
@@ -56,9 +62,9 @@ def test_cells_and_correlations_over_models(tmp_path):
     drops = pd.DataFrame({"job": "J", "seed": [0, 1, 2], "drop_beyond": [-0.1, -0.3, -0.6]})
     models = per_model(rows, drops)
     chain = cells(models).set_index("path").loc["chain"]
-    assert chain["models"] == 3 and math.isclose(chain["carried"], 0.5)
+    assert chain["models"] == 3 and math.isclose(chain["retained"], 0.5)
     half = 4.302652729911275 * 0.25 / math.sqrt(3)
-    assert math.isclose(chain["model_ci_high"] - chain["carried"], half, rel_tol=1e-9)
+    assert math.isclose(chain["model_ci_high"] - chain["retained"], half, rel_tol=1e-9)
     rho = correlations(models).set_index("path")
     assert math.isclose(rho.loc["chain", "rho"], -1.0) and rho.loc["chain", "models"] == 3
     (tmp_path / "p").mkdir()
@@ -66,4 +72,4 @@ def test_cells_and_correlations_over_models(tmp_path):
     drops.to_csv(tmp_path / "models.csv", index=False)
     written = write(tmp_path / "p", tmp_path / "out", tmp_path / "models.csv")
     assert all(p.exists() for p in written.values())
-    assert "| J | chain | 3 | +0.50 |" in written["paths_md"].read_text()
+    assert "| J | chain | 3 | 0.50 |" in written["paths_md"].read_text()
