@@ -1,10 +1,11 @@
 """Which path carries each model's evidence past the replay start: `python -m analysis.paths`.
 
     python -m analysis.paths --paths DIR --models findings/encoder_w/models.csv \
-        --out findings/encoder_w
+        --out findings/encoder_w [--jobs JOB ...] [--archive findings/encoder_w/archive]
 
-Reads `evals.paths`' rows.csv (--paths: its --out; every document read `full`, `replay`,
-`global_cut` and `both` at the same cut s = T - N, docs/semantics.md 4.6) and keeps, as
+Reads `evals.paths`' rows.csv (--paths: its --out, or an archive holding paths_rows.csv.gz;
+every document read `full`, `replay`, `global_cut` and `both` at the same cut s = T - N,
+docs/semantics.md 4.6) and keeps, as
 `analysis.reach` does, the competent bins: per model x family x span start, `full` accuracy
 >= COMPETENT. On the documents of those bins whose evidence lies before the cut (distance > N)
 and that `full` answers, per model and N, the share of those answers each path keeps alone
@@ -191,14 +192,40 @@ def markdown(table: pd.DataFrame, rho: pd.DataFrame, sources: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(paths: Path, out: Path, models_csv: Path | None = None) -> dict[str, Path]:
-    """Read evals.paths' rows.csv under `paths` (and models.csv), write the outputs into
-    `out`; returns {name: path}. Missing inputs raise FileNotFoundError."""
-    rows = pd.read_csv(paths / "rows.csv")
+ARCHIVED_ROWS = "paths_rows.csv.gz"
+# What the analysis reads of rows.csv: the archive keeps these (not the NLL), compressed.
+ROW_COLUMNS = ["job", "seed", "model", "id", "family", "x", "distance", "chance", "N", "reading",
+               "correct"]
+
+
+def read_rows(paths: Path, jobs: list[str] | None = None) -> pd.DataFrame:
+    """evals.paths' rows.csv under `paths`, or an archive's paths_rows.csv.gz, restricted to
+    `jobs` (None: every job). Neither there: FileNotFoundError."""
+    found = [f for f in (paths / "rows.csv", paths / ARCHIVED_ROWS) if f.exists()]
+    if not found:
+        raise FileNotFoundError(f"{paths}: neither rows.csv (evals.paths --out) nor "
+                                f"{ARCHIVED_ROWS} (an archive)")
+    rows = pd.read_csv(found[0], usecols=ROW_COLUMNS)
+    if jobs:
+        missing = sorted(set(jobs) - set(rows["job"]))
+        if missing:
+            raise ValueError(f"--jobs: {missing} not in {found[0]} (it has "
+                             f"{sorted(rows['job'].unique())})")
+        rows = rows[rows["job"].isin(jobs)]
+    return rows
+
+
+def write(paths: Path, out: Path, models_csv: Path | None = None,
+          jobs: list[str] | None = None, archive: Path | None = None) -> dict[str, Path]:
+    """Read evals.paths' rows under `paths` (and models.csv), write the outputs into `out`
+    (and, with `archive`, the rows the analysis reads as paths_rows.csv.gz there, gzip
+    without a timestamp so that the same rows give the same bytes); returns {name: path}.
+    Missing inputs raise FileNotFoundError."""
+    rows = read_rows(paths, jobs)
     drops = pd.read_csv(models_csv) if models_csv else None
     models = per_model(rows, drops)
     if models.empty:
-        raise ValueError(f"{paths / 'rows.csv'}: no competent bin with evidence before a cut")
+        raise ValueError(f"{paths}: no competent bin with evidence before a cut")
     table = cells(models)
     rho = correlations(models) if drops is not None else pd.DataFrame(
         columns=["path", "models", "rho", "p"])
@@ -213,6 +240,11 @@ def write(paths: Path, out: Path, models_csv: Path | None = None) -> dict[str, P
     sources = {"paths": str(paths), "models": str(models_csv) if models_csv else None}
     written["paths_md"].write_text(markdown(table, rho, sources))
     save(figure(models, table, distance), written["paths_png"])
+    if archive is not None:
+        archive.mkdir(parents=True, exist_ok=True)
+        written["paths_rows"] = archive / ARCHIVED_ROWS
+        rows.to_csv(written["paths_rows"], index=False,
+                    compression={"method": "gzip", "mtime": 0})
     return written
 
 
@@ -225,10 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         "analysis.reach's models.csv (the drop at N = W beyond per model), for the "
         "correlations"))
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--jobs", nargs="+", default=None, metavar="JOB",
+                        help="read these jobs only (default: every job in the rows)")
+    parser.add_argument("--archive", default=None, help=(
+        f"also write the rows it reads, compressed, as DIR/{ARCHIVED_ROWS} (a study's "
+        "archive: --paths can read it back)"))
     args = parser.parse_args(argv)
-    return list_written("paths", lambda: write(Path(args.paths), Path(args.out),
-                                               Path(args.models) if args.models else None),
-                        errors=(FileNotFoundError, ValueError))
+    return list_written("paths", lambda: write(
+        Path(args.paths), Path(args.out), Path(args.models) if args.models else None,
+        args.jobs, Path(args.archive) if args.archive else None),
+        errors=(FileNotFoundError, ValueError))
 
 
 if __name__ == "__main__":

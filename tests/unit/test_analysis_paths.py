@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from analysis.paths import by_distance, cells, competent_rows, correlations, per_model, write
 
@@ -70,6 +71,17 @@ def test_cells_and_correlations_over_models(tmp_path):
     (tmp_path / "p").mkdir()
     rows.to_csv(tmp_path / "p" / "rows.csv", index=False)
     drops.to_csv(tmp_path / "models.csv", index=False)
-    written = write(tmp_path / "p", tmp_path / "out", tmp_path / "models.csv")
+    written = write(tmp_path / "p", tmp_path / "out", tmp_path / "models.csv",
+                    archive=tmp_path / "archive")
     assert all(p.exists() for p in written.values())
     assert "| J | chain | 3 | 0.50 |" in written["paths_md"].read_text()
+    # the archive reads back to the same tables, and its bytes do not depend on the time
+    again = write(tmp_path / "archive", tmp_path / "again", tmp_path / "models.csv",
+                  archive=tmp_path / "archive2")
+    for name in ("paths", "paths_cells", "paths_by_distance"):
+        assert written[name].read_bytes() == again[name].read_bytes(), name
+    assert (written["paths_rows"].read_bytes() == again["paths_rows"].read_bytes())
+    with pytest.raises(ValueError, match=r"--jobs: \['K'\] not in"):
+        write(tmp_path / "p", tmp_path / "o", jobs=["K"])
+    with pytest.raises(FileNotFoundError, match="neither rows.csv"):
+        write(tmp_path / "out", tmp_path / "o")
