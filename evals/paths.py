@@ -60,6 +60,9 @@ class PathsConfig:
         "give them for an archived suite whose checkpoint path has moved)"))
     replays: List[str] = option(factory=lambda: ["W"], flag="--replay", metavar="N", help=(
         "cut positions s = T - N: N, W, kW, kW/d (R_exact is pointless: nothing to cut)"))
+    families: Optional[List[str]] = option(None, help=(
+        "read these families' documents only (e.g. running_count running_bracket; default: "
+        "every family the suite read)"))
     dtype: str = option("float32", choices=["float32", "float64"], help="the models' dtype")
     batch_size: int = option(64, help="documents per forward pass")
 
@@ -133,11 +136,17 @@ def by_job(per_model: pd.DataFrame) -> pd.DataFrame:
                                       "model_ci_low", "model_ci_high", "chance"])
 
 
-def _suite_documents(suite: Path) -> list[dict]:
+def _suite_documents(suite: Path, families: list[str] | None) -> list[dict]:
     files = sorted((suite / "data").glob("*.jsonl"))
     if not files or not (suite / "summary.json").exists():
         raise ValueError(f"--suite {suite}: no data/*.jsonl and summary.json (not a finished "
                          "suite run)")
+    if families:
+        missing = sorted(set(families) - {f.stem for f in files})
+        if missing:
+            raise ValueError(f"--families: {missing} not read by the suite in {suite} (it "
+                             f"read {sorted(f.stem for f in files)})")
+        files = [f for f in files if f.stem in families]
     return [d for f in files for d in read_jsonl(f)]
 
 
@@ -149,7 +158,7 @@ def run(c: PathsConfig) -> dict:
     """Read every model; write the tables; return the summary. A bad option or a suite run
     that cannot be read again is a ValueError naming it."""
     suites = [Path(s) for s in c.suite]
-    documents = [_suite_documents(s) for s in suites]
+    documents = [_suite_documents(s, c.families) for s in suites]
     checkpoints = c.checkpoint or [_suite_checkpoint(s) for s in suites]
     if len(checkpoints) != len(suites):
         raise ValueError(f"--checkpoint: one per --suite ({len(suites)}); got "
@@ -177,7 +186,7 @@ def run(c: PathsConfig) -> dict:
     per_model.to_csv(out / "retained.csv", index=False)
     jobs.to_csv(out / "jobs.csv", index=False)
     summary = {"suites": [str(s) for s in suites], "checkpoints": [str(x) for x in checkpoints],
-               "replays": list(c.replays), "dtype": c.dtype, "seconds": time.time() - t0,
+               "replays": list(c.replays), "families": c.families, "dtype": c.dtype, "seconds": time.time() - t0,
                "jobs": jobs.to_dict(orient="records")}
     write_json(out / "summary.json", summary)
     return summary

@@ -78,3 +78,12 @@ def test_bad_input_is_named(suite_run, tmp_path, capsys):
     assert main(["--suite", str(suite), "--checkpoint", str(checkpoint), str(checkpoint),
                  "--out", str(tmp_path / "o")]) == 2
     assert "--checkpoint: one per --suite" in capsys.readouterr().err
+    assert main(["--suite", str(suite), "--families", "recall", "--out", str(tmp_path / "o")]) == 2
+    assert "--families: ['recall'] not read by the suite" in capsys.readouterr().err
+
+
+def test_families_restrict_the_documents(suite_run, tmp_path):
+    _, suite, _ = suite_run
+    run(PathsConfig(suite=[str(suite)], out=str(tmp_path / "p"), families=["running_count"]))
+    rows = pd.read_csv(tmp_path / "p" / "rows.csv")
+    assert set(rows["family"]) == {"running_count"}
