@@ -135,10 +135,14 @@ class SuiteSpec:
     options: Dict[str, Any] = field(default_factory=dict)
 
 
-# the SuiteConfig fields the driver sets itself, from the spec's own fields or per step
+# the SuiteConfig fields the driver sets itself, from the spec's own fields or per step; the
+# eval-time overrides of the model as trained (topk, kv, decoder_global) are the driver's too:
+# a study reads a model under one as a step of its own (decoder_global is not offered as a
+# study variant yet: `python -m evals.suites --decoder-global off`, or evals.paths), so none
+# is a default that every suite step's hash covers
 SUITE_DRIVEN = ("checkpoint", "out", "replays", "examples", "families", "turns", "distances",
-                "sweep_replays", "topk", "kv", "threads", "wandb", "wandb_project",
-                "wandb_group", "overwrite")
+                "sweep_replays", "topk", "kv", "decoder_global", "threads", "wandb",
+                "wandb_project", "wandb_group", "overwrite")
 
 
 def check_suite_values(suite: SuiteSpec, where: str) -> None:
