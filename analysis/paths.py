@@ -1,6 +1,6 @@
 """Which path carries each model's evidence past the replay start: `python -m analysis.paths`.
 
-    python -m analysis.paths --paths DIR --models findings/encoder_w/models.csv \
+    python -m analysis.paths --paths DIR [DIR ...] --models findings/encoder_w/models.csv \
         --out findings/encoder_w [--jobs JOB ...] [--archive findings/encoder_w/archive]
 
 Reads `evals.paths`' rows.csv (--paths: its --out, or an archive holding paths_rows.csv.gz;
@@ -198,26 +198,40 @@ ROW_COLUMNS = ["job", "seed", "model", "id", "family", "x", "distance", "chance"
                "correct"]
 
 
-def read_rows(paths: Path, jobs: list[str] | None = None) -> pd.DataFrame:
-    """evals.paths' rows.csv under `paths`, or an archive's paths_rows.csv.gz, restricted to
-    `jobs` (None: every job). Neither there: FileNotFoundError."""
-    found = [f for f in (paths / "rows.csv", paths / ARCHIVED_ROWS) if f.exists()]
+def _rows_of(folder: Path) -> pd.DataFrame:
+    found = [f for f in (folder / "rows.csv", folder / ARCHIVED_ROWS) if f.exists()]
     if not found:
-        raise FileNotFoundError(f"{paths}: neither rows.csv (evals.paths --out) nor "
+        raise FileNotFoundError(f"{folder}: neither rows.csv (evals.paths --out) nor "
                                 f"{ARCHIVED_ROWS} (an archive)")
-    rows = pd.read_csv(found[0], usecols=ROW_COLUMNS)
+    return pd.read_csv(found[0], usecols=ROW_COLUMNS)
+
+
+def read_rows(paths: Path | list[Path], jobs: list[str] | None = None) -> pd.DataFrame:
+    """evals.paths' rows.csv under each of `paths`, or an archive's paths_rows.csv.gz (an
+    archive beside the reads of models trained since), restricted to `jobs` (None: every
+    job). A folder with neither: FileNotFoundError; a model in two folders: ValueError."""
+    folders = [paths] if isinstance(paths, Path) else list(paths)
+    frames = [_rows_of(folder) for folder in folders]
+    seen: dict[str, Path] = {}
+    for folder, frame in zip(folders, frames):
+        for model in frame["model"].unique():
+            if model in seen:
+                raise ValueError(f"--paths: {model} is read in both {seen[model]} and {folder}")
+            seen[model] = folder
+    rows = pd.concat(frames, ignore_index=True)
     if jobs:
         missing = sorted(set(jobs) - set(rows["job"]))
         if missing:
-            raise ValueError(f"--jobs: {missing} not in {found[0]} (it has "
-                             f"{sorted(rows['job'].unique())})")
+            raise ValueError(f"--jobs: {missing} not in {[str(f) for f in folders]} (they "
+                             f"hold {sorted(rows['job'].unique())})")
         rows = rows[rows["job"].isin(jobs)]
     return rows
 
 
-def write(paths: Path, out: Path, models_csv: Path | None = None,
+def write(paths: Path | list[Path], out: Path, models_csv: Path | None = None,
           jobs: list[str] | None = None, archive: Path | None = None) -> dict[str, Path]:
-    """Read evals.paths' rows under `paths` (and models.csv), write the outputs into `out`
+    """Read evals.paths' rows under `paths` (one folder or several: `read_rows`; and
+    models.csv), write the outputs into `out`
     (and, with `archive`, the rows the analysis reads as paths_rows.csv.gz there, gzip
     without a timestamp so that the same rows give the same bytes); returns {name: path}.
     Missing inputs raise FileNotFoundError."""
@@ -237,7 +251,8 @@ def write(paths: Path, out: Path, models_csv: Path | None = None,
     table.to_csv(written["paths_cells"], index=False)
     distance = by_distance(rows)
     distance.to_csv(written["paths_by_distance"], index=False)
-    sources = {"paths": str(paths), "models": str(models_csv) if models_csv else None}
+    sources = {"paths": [str(p) for p in ([paths] if isinstance(paths, Path) else paths)],
+               "models": str(models_csv) if models_csv else None}
     written["paths_md"].write_text(markdown(table, rho, sources))
     save(figure(models, table, distance), written["paths_png"])
     if archive is not None:
@@ -252,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.paths", description=(
         "Per model and cell: the share of the evidence before a replay's cut that the "
         "decoder's window chain, its global read and the encoder each carry alone."))
-    parser.add_argument("--paths", required=True, help="an evals.paths output directory")
+    parser.add_argument("--paths", required=True, nargs="+", metavar="DIR", help=(
+        "evals.paths output directories, or archives holding paths_rows.csv.gz (several: "
+        "their models pooled, each model in one)"))
     parser.add_argument("--models", default=None, help=(
         "analysis.reach's models.csv (the drop at N = W beyond per model), for the "
         "correlations"))
@@ -264,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         "archive: --paths can read it back)"))
     args = parser.parse_args(argv)
     return list_written("paths", lambda: write(
-        Path(args.paths), Path(args.out), Path(args.models) if args.models else None,
+        [Path(p) for p in args.paths], Path(args.out),
+        Path(args.models) if args.models else None,
         args.jobs, Path(args.archive) if args.archive else None),
         errors=(FileNotFoundError, ValueError))
 

@@ -85,3 +85,13 @@ def test_cells_and_correlations_over_models(tmp_path):
         write(tmp_path / "p", tmp_path / "o", jobs=["K"])
     with pytest.raises(FileNotFoundError, match="neither rows.csv"):
         write(tmp_path / "out", tmp_path / "o")
+    # an archive beside a later read: the models pooled, each in one folder only
+    (tmp_path / "later").mkdir()
+    later = rows[rows["seed"] == 2]
+    rows[rows["seed"] < 2].to_csv(tmp_path / "p" / "rows.csv", index=False)
+    later.to_csv(tmp_path / "later" / "rows.csv", index=False)
+    pooled = write([tmp_path / "p", tmp_path / "later"], tmp_path / "pooled",
+                   tmp_path / "models.csv")
+    assert pooled["paths_cells"].read_bytes() == written["paths_cells"].read_bytes()
+    with pytest.raises(ValueError, match="J/seed2 is read in both"):
+        write([tmp_path / "later", tmp_path / "later"], tmp_path / "o")
