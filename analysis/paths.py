@@ -22,7 +22,10 @@ the bounded replay itself, so its share restates the drop at N = W; `chain` and 
 what the replay cannot show.
 
 Beside each model its drop at N = W beyond (models.csv of `analysis.reach`, --models): does the
-chain's share predict what a bounded replay loses? Writes
+chain's share predict what a bounded replay loses? The correlation and the figure read each
+model at the smallest N it was read at, which is W when evals.paths ran with `--replay W`
+among its replays (its default); read the running families (`--families` of evals.paths), as
+reach's drops are. Writes
 
   paths.csv        per model x N x path: documents, kept, retained with its Wilson CI,
                    chance, and the model's drop at N = W beyond
@@ -87,8 +90,9 @@ def cells(models: pd.DataFrame) -> pd.DataFrame:
         ex_low, ex_high = wilson_interval(kept, docs)
         out.append({"job": job, "N": n, "path": path, "models": len(group),
                     "retained": float(group["retained"].mean()), "model_ci_low": low,
-                    "model_ci_high": high, "documents": docs, "kept": kept, "example_ci_low": ex_low,
-                    "example_ci_high": ex_high, "chance": float(group["chance"].mean())})
+                    "model_ci_high": high, "documents": docs, "kept": kept,
+                    "example_ci_low": ex_low, "example_ci_high": ex_high,
+                    "chance": float(group["chance"].mean())})
     return pd.DataFrame(out)
 
 

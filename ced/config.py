@@ -125,7 +125,7 @@ class ModelConfig:
     # False removes every decoder layer's read of the decoder global KV, leaving its window
     # alone. Evidence from before a bounded replay's start reaches the decoder by that global
     # read or by the decoder's window chain, which the replay cuts; a model read without the
-    # read shows what the chain carries (docs/semantics.md 2.2). ced only; True as trained.
+    # read shows what the chain carries (docs/semantics.md 4.6). ced only; True as trained.
     decoder_global_read: bool = True
     # K/V heads of every global KV (the entries a layer's global read sees). None: n_heads,
     # one K and one V row per head (multi-head). 1: one K and one V row per entry shared by

@@ -239,7 +239,8 @@ class Attention(nn.Module):
                 selection = ctx.selections[spec.global_source]
                 if ctx.dense_global_read:
                     selection = None
-        train_indexer = ctx.want_aux and self.indexer is not None
+        # no source: a decoder read without its global read (decoder_global_read=False)
+        train_indexer = ctx.want_aux and self.indexer is not None and source is not None
         out, global_probs = attend(q, positions, lower, keys, source, selection, self.sink,
                                    cfg.attention_block, want_global_probs=train_indexer,
                                    global_read=cfg.global_read, first_entry=first,

@@ -67,38 +67,51 @@ class PathsConfig:
     batch_size: int = option(64, help="documents per forward pass")
 
 
-def read_batch(model, docs: list[dict], n: int) -> dict[str, torch.Tensor]:
-    """Per reading, whether each document's answer is exact-matched (teacher-forced) and its
-    NLL: {reading: correct [B]}, {reading + '_nll': nll [B]}. Documents of one batch share
-    their prompt and target lengths (`length_batches`)."""
+def _score(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact match [B] of the teacher-forced answer and its NLL [B]; logits [B, A, V]."""
+    logp = torch.log_softmax(logits.double(), -1)
+    return (logits.argmax(-1).eq(target).all(-1),
+            -logp.gather(-1, target[..., None])[..., 0].sum(-1))
+
+
+def read_batch(model, docs: list[dict], ns: list[int]) -> dict[tuple[int, str], tuple]:
+    """Per (N, reading), (correct [B], nll [B]) of each document's answer, teacher-forced as
+    the suite scores it (`evals.modes.mode_logits`): the prompt and the answer's first A - 1
+    tokens in, logits from the prompt's last position on; every cut at s = T - N also applies
+    to the answer's positions, as a decode after a bounded replay does. `full` is computed once
+    and stands for every N. Documents of one batch share their prompt and target lengths
+    (`length_batches`)."""
     prompt = torch.tensor([prompt_ids(d) for d in docs])
     target = torch.tensor([target_ids(d) for d in docs])
     ids = torch.cat((prompt, target[:, :-1]), 1)
-    s = max(prompt.shape[1] - n, 0)
-    cuts = {"full": {}, "replay": {"decoder_replay_start": s},
-            "global_cut": {"decoder_global_start": s},
-            "both": {"decoder_replay_start": s, "decoder_global_start": s}}
+    first = prompt.shape[1] - 1
+    full = _score(model(ids)[:, first:], target)
     out = {}
-    for reading, kwargs in cuts.items():
-        logits = model(ids, **kwargs)[:, prompt.shape[1] - 1:].double()
-        logp = torch.log_softmax(logits, -1)
-        out[reading] = logits.argmax(-1).eq(target).all(-1)
-        out[reading + "_nll"] = -logp.gather(-1, target[..., None])[..., 0].sum(-1)
+    for n in ns:
+        s = max(prompt.shape[1] - n, 0)
+        cuts = {"replay": {"decoder_replay_start": s},
+                "global_cut": {"decoder_global_start": s},
+                "both": {"decoder_replay_start": s, "decoder_global_start": s}}
+        out[(n, "full")] = full
+        for reading, kwargs in cuts.items():
+            out[(n, reading)] = _score(model(ids, **kwargs)[:, first:], target)
     return out
 
 
 @torch.no_grad()
 def read_model(model, docs: list[dict], ns: list[int], batch_size: int) -> pd.DataFrame:
-    """One row per (document, N, reading): family, x, distance, chance, correct, nll."""
+    """One row per (document, N, reading): family, x, distance, chance, correct, nll (`full`
+    repeated under every N, so that each N's rows stand alone)."""
     rows = []
-    for n in ns:
-        for batch in length_batches(docs, batch_size):
-            got = read_batch(model, batch, n)
+    for batch in length_batches(docs, batch_size):
+        got = read_batch(model, batch, ns)
+        for n in ns:
             for reading in READINGS:
+                correct, nll = got[(n, reading)]
                 rows += [{"id": d["id"], "family": d["family"], "x": d["x"],
                           "distance": d.get("distance"), "chance": d.get("chance"), "N": n,
-                          "reading": reading, "correct": int(got[reading][i]),
-                          "nll": float(got[reading + "_nll"][i])}
+                          "reading": reading, "correct": int(correct[i]),
+                          "nll": float(nll[i])}
                          for i, d in enumerate(batch)]
     return pd.DataFrame(rows)
 
@@ -108,6 +121,11 @@ def retained(rows: pd.DataFrame) -> pd.DataFrame:
     answers, how many each reading answers (`retained` with its Wilson CI) and their mean
     chance level. rows: `read_model`'s, with the model columns (job, seed, model) added."""
     keys = ["job", "seed", "model", "N"]
+    twice = rows.duplicated(["model", "N", "id", "reading"])
+    if twice.any():
+        raise ValueError(f"paths rows: {int(twice.sum())} readings of a document twice under one "
+                         f"model name (e.g. {rows.loc[twice, 'model'].iloc[0]}): two checkpoints "
+                         "outside a study share a folder name, or one model was read twice")
     wide = rows.pivot_table(index=keys + ["id", "distance", "chance"], columns="reading",
                             values="correct").reset_index()
     beyond = wide[(wide["distance"] > wide["N"]) & (wide["full"] == 1)]
@@ -150,8 +168,22 @@ def _suite_documents(suite: Path, families: list[str] | None) -> list[dict]:
     return [d for f in files for d in read_jsonl(f)]
 
 
-def _suite_checkpoint(suite: Path) -> str:
-    return json.loads((suite / "summary.json").read_text())["run"]["checkpoint"]
+def _suite_run(suite: Path) -> dict:
+    return json.loads((suite / "summary.json").read_text())["run"]
+
+
+def check_as_read(model_config: dict, suite: Path) -> None:
+    """A ValueError when the suite read its checkpoint under another model config than the one
+    loaded here (an eval-time top-k, KV format or decoder_global override): its `full` and
+    replay modes would then not be what this reads. Keys either side lacks (written before the
+    key existed) are not compared."""
+    read = _suite_run(suite).get("config") or {}
+    differ = sorted(k for k in set(read) & set(model_config) if read[k] != model_config[k])
+    if differ:
+        there = ", ".join(f"{k}={read[k]!r}" for k in differ)
+        here = ", ".join(f"{k}={model_config[k]!r}" for k in differ)
+        raise ValueError(f"--suite {suite}: it read the model with {there}, the checkpoint here "
+                         f"has {here}; evals.paths reads models as trained")
 
 
 def run(c: PathsConfig) -> dict:
@@ -159,13 +191,14 @@ def run(c: PathsConfig) -> dict:
     that cannot be read again is a ValueError naming it."""
     suites = [Path(s) for s in c.suite]
     documents = [_suite_documents(s, c.families) for s in suites]
-    checkpoints = c.checkpoint or [_suite_checkpoint(s) for s in suites]
+    checkpoints = c.checkpoint or [_suite_run(s)["checkpoint"] for s in suites]
     if len(checkpoints) != len(suites):
         raise ValueError(f"--checkpoint: one per --suite ({len(suites)}); got "
                          f"{len(checkpoints)}")
     frames, t0 = [], time.time()
-    for docs, checkpoint in zip(documents, checkpoints):
+    for suite, docs, checkpoint in zip(suites, documents, checkpoints):
         model = load_checkpoint(checkpoint, dtype=c.dtype)
+        check_as_read(model.cfg.to_dict(), suite)
         if model.cfg.variant != "ced":
             raise ValueError(f"--checkpoint {checkpoint}: variant {model.cfg.variant!r}; the "
                              "two paths exist in ced only")
@@ -186,8 +219,8 @@ def run(c: PathsConfig) -> dict:
     per_model.to_csv(out / "retained.csv", index=False)
     jobs.to_csv(out / "jobs.csv", index=False)
     summary = {"suites": [str(s) for s in suites], "checkpoints": [str(x) for x in checkpoints],
-               "replays": list(c.replays), "families": c.families, "dtype": c.dtype, "seconds": time.time() - t0,
-               "jobs": jobs.to_dict(orient="records")}
+               "replays": list(c.replays), "families": c.families, "dtype": c.dtype,
+               "seconds": time.time() - t0, "jobs": jobs.to_dict(orient="records")}
     write_json(out / "summary.json", summary)
     return summary
 

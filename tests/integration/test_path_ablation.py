@@ -133,14 +133,15 @@ def test_bad_values_name_the_key():
 
 # ---- the global cut (CEDModel.forward(decoder_global_start=s)), the complement of a replay ---
 
-def noisy_decoder_source_inputs(model: CEDModel, before: int, seed: int):
-    """A hook that adds noise to RMSNorm(H_{L_e}) at positions < `before`: what feeds the
-    decoder's global entries there, and nothing else."""
+def noisy_decoder_source_inputs(model: CEDModel, before: int, seed: int, start: int = 0):
+    """A hook that adds noise to RMSNorm(H_{L_e}) at positions start .. before - 1: what feeds
+    the decoder's global entries there, and nothing else."""
     gen = torch.Generator().manual_seed(seed + 7)
 
     def hook(module, args, output):
         noise = torch.randn(output.shape, generator=gen, dtype=output.dtype)
         noise[:, before:] = 0
+        noise[:, :start] = 0
         return output + noise
     return model.encoder_output_norm.register_forward_hook(hook)
 
@@ -197,6 +198,46 @@ def test_the_global_cut_does_cut(variant, topk):
             handle.remove()
 
 
+@pytest.mark.parametrize("ratio,cut", [(1, 11), (2, 11), (2, 12), (3, 10), (3, 13)])
+@pytest.mark.parametrize("variant", ["ced", "yoco"])
+def test_the_global_cut_keeps_the_entries_from_it_on(variant, ratio, cut):
+    """The first entry that begins at or after s, ceil(s / m), stays readable (with the
+    replay cut at the same s, nothing else carries its tokens): noise on its m positions
+    alone changes every later output; noise on the entry that straddles s changes none."""
+    cfg = tiny_config(variant, window=max(3, ratio), decoder_compress_ratio=ratio
+                      if variant == "ced" else 1)
+    ratio = cfg.decoder_compress_ratio
+    first = -(-cut // ratio) * ratio                   # where the first kept entry begins
+    for seed in range(3):
+        model = make_model(cfg, seed)
+        ids = random_ids(2, 30, seed)
+        both = model(ids, decoder_replay_start=cut, decoder_global_start=cut)
+        handle = noisy_decoder_source_inputs(model, first + ratio, seed, start=first)
+        try:
+            noisy = model(ids, decoder_replay_start=cut, decoder_global_start=cut)
+        finally:
+            handle.remove()
+        complete = first + ratio - 1                   # the first query the entry is complete for
+        assert max_diff(noisy[:, complete:], both[:, complete:]) > DIFFERENT
+        assert max_diff(noisy[:, :complete], both[:, :complete]) < TOL
+        if first > cut:                                # an entry straddles s: removed whole
+            handle = noisy_decoder_source_inputs(model, first, seed, start=first - ratio)
+            try:
+                straddling = model(ids, decoder_replay_start=cut, decoder_global_start=cut)
+            finally:
+                handle.remove()
+            assert max_diff(straddling[:, cut:], both[:, cut:]) < TOL
+
+
 def test_the_global_cut_needs_a_decoder():
     with pytest.raises(ValueError, match=r"decoder_global_start: variant 'dense' has no decoder"):
         make_model(tiny_config("dense"), 0)(random_ids(1, 8, 0), decoder_global_start=3)
+
+
+def test_the_ablated_decoder_trains_its_encoders_indexer_only():
+    """With the read removed the decoder's indexer picks nothing; the indexer KL (aux output,
+    as training asks for it) covers the encoder's reads and stays finite."""
+    cfg = tiny_config(topk=2, decoder_global_read=False)
+    model = make_model(cfg, 0)
+    logits, aux = model(random_ids(2, 24, 0), return_aux=True)
+    assert torch.isfinite(aux["indexer_kl"]) and torch.isfinite(logits).all()

@@ -1,7 +1,8 @@
 """evals.paths: the four readings of a suite's documents (docs/semantics.md 4.6). The `full`
-and `replay` readings (parallel forward) must score every document exactly as the suite's
-engine path scored it; the retained table counts only documents whose evidence lies before the
-cut and that `full` answers; the per-job interval is the seed-level t interval."""
+and `replay` readings (parallel forward) must score every document as the suite's engine path
+scored it (the same exact match, the NLL to 1e-5 in float32); the retained table counts only
+documents whose evidence lies before the cut and that `full` answers; the per-job interval is
+the seed-level t interval."""
 
 from __future__ import annotations
 
@@ -36,11 +37,16 @@ def test_full_and_replay_score_as_the_suite_did(suite_run):
     results = pd.read_csv(suite / "results.csv")
     assert set(rows["N"]) == {4, 8} and set(rows["reading"]) == {"full", "replay",
                                                                   "global_cut", "both"}
+    nll = {}
     for reading, mode in (("full", "full"), ("replay", "replay=4")):
-        mine = rows[(rows["reading"] == reading) & (rows["N"] == 4)].set_index("id")["correct"]
-        suites = results[results["mode"] == mode].set_index("id")["correct"]
-        assert len(mine) == len(suites) > 0
-        assert mine.sort_index().tolist() == suites.loc[mine.sort_index().index].tolist()
+        mine = rows[(rows["reading"] == reading) & (rows["N"] == 4)].set_index("id").sort_index()
+        suites = results[results["mode"] == mode].set_index("id").loc[mine.index]
+        assert len(mine) == len(results[results["mode"] == mode]) > 0
+        assert mine["correct"].tolist() == suites["correct"].tolist()
+        assert (mine["nll"] - suites["nll"]).abs().max() < 1e-5, reading
+        nll[reading] = mine["nll"]
+    # the comparison can tell the readings apart: the replay changes some answer's NLL
+    assert (nll["full"] - nll["replay"]).abs().max() > 1e-3
     assert summary["checkpoints"] == [str(checkpoint)]
     for name in ("rows.csv", "retained.csv", "jobs.csv", "summary.json"):
         assert (tmp / "paths" / name).exists()
@@ -58,7 +64,8 @@ def test_retained_counts_only_answered_documents_beyond_the_cut():
     assert table["n"].tolist() == [2, 2, 2]                  # a and b only
     assert table.loc["replay", "kept"] == 1 and table.loc["global_cut", "kept"] == 1
     assert table.loc["both", "kept"] == 0
-    assert (table["ci_low"] <= table["retained"]).all() and (table["retained"] <= table["ci_high"]).all()
+    assert (table["ci_low"] <= table["retained"]).all()
+    assert (table["retained"] <= table["ci_high"]).all()
 
 
 def test_by_job_is_the_mean_over_models_with_a_t_interval():
@@ -80,6 +87,25 @@ def test_bad_input_is_named(suite_run, tmp_path, capsys):
     assert "--checkpoint: one per --suite" in capsys.readouterr().err
     assert main(["--suite", str(suite), "--families", "recall", "--out", str(tmp_path / "o")]) == 2
     assert "--families: ['recall'] not read by the suite" in capsys.readouterr().err
+
+
+def test_a_suite_read_under_an_override_is_refused(suite_run, tmp_path):
+    from evals.suites import SuiteConfig, run_suite
+    checkpoint, _, _ = suite_run
+    run_suite(SuiteConfig(str(checkpoint), ["W"], str(tmp_path / "s"), examples=1,
+                          families=["running_count"], topk="2", plot=False, wandb=False,
+                          quiet=True))
+    with pytest.raises(ValueError, match="it read the model with topk=2, the checkpoint here "
+                                         "has topk=3"):
+        run(PathsConfig(suite=[str(tmp_path / "s")], out=str(tmp_path / "p")))
+
+
+def test_a_document_read_twice_under_one_name_is_refused():
+    rows = pd.DataFrame([{"job": "J", "seed": 0, "model": "J/seed0", "N": 4, "id": "a",
+                          "distance": 8, "chance": 0.5, "reading": r, "correct": 1}
+                         for r in ("full", "replay", "global_cut", "both")] * 2)
+    with pytest.raises(ValueError, match="4 readings of a document twice under one model name"):
+        retained(rows)
 
 
 def test_families_restrict_the_documents(suite_run, tmp_path):

@@ -15,14 +15,15 @@ from analysis.paths import by_distance, cells, competent_rows, correlations, per
 READINGS = ("full", "replay", "global_cut", "both")
 
 
-def fabricated(models: dict[str, float], n: int = 40, seed: int = 0) -> pd.DataFrame:
+def fabricated(models: dict[str, float], n: int = 40, seed: int = 0,
+               bins=((8, 1.0), (2, 1.0), (16, 0.3))) -> pd.DataFrame:
     """Per model (job J, seeds 0..): one competent bin beyond N = 4 (d = 8, full always right)
     where the chain keeps a share `chain` of the answers and the global read a share 0.5, one
     bin inside the replay (d = 2), and one bin full fails (d = 16: never counted)."""
     rng = np.random.default_rng(seed)
     rows = []
     for seed_, (model, chain) in enumerate(models.items()):
-        for d, full in ((8, 1.0), (2, 1.0), (16, 0.3)):
+        for d, full in bins:
             for i in range(n):
                 got = {"full": int(rng.random() < full)}
                 got["global_cut"] = int(got["full"] and i < chain * n)
@@ -95,3 +96,20 @@ def test_cells_and_correlations_over_models(tmp_path):
     assert pooled["paths_cells"].read_bytes() == written["paths_cells"].read_bytes()
     with pytest.raises(ValueError, match="J/seed2 is read in both"):
         write([tmp_path / "later", tmp_path / "later"], tmp_path / "o")
+
+
+def test_two_cuts_each_read_alone_and_the_smallest_leads():
+    """Rows at N = 4 and N = 8 (full repeated under each, as evals.paths writes it): each N's
+    shares come from its own rows (at N = 8 only the d = 12 bin lies beyond the cut); the
+    by-distance table and the correlation read N = 4."""
+    bins = ((8, 1.0), (12, 1.0), (2, 1.0))
+    at4 = fabricated({"J/seed0": 0.75}, bins=bins)
+    at8 = at4.assign(N=8)
+    at8.loc[at8["reading"] == "global_cut", "correct"] = 0
+    rows = pd.concat([at4, at8], ignore_index=True)
+    table = per_model(rows).set_index(["N", "path"])
+    assert math.isclose(table.loc[(4, "chain"), "retained"], 0.75)
+    assert table.loc[(4, "chain"), "n"] == 80 and table.loc[(8, "chain"), "n"] == 40
+    assert table.loc[(8, "chain"), "retained"] == 0
+    distance = by_distance(rows).set_index(["distance", "path"])
+    assert math.isclose(distance.loc[(12, "chain"), "retained"], 0.75)   # N = 4's rows
