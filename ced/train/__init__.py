@@ -47,6 +47,7 @@ from ..runlock import DirectoryLocked, directory_lock
 from ..signals import StopSignals
 from ..tracking import log_model_artifact, new_run_id
 from ..train_config import ConfigError, OptimConfig, ReplaySimulation, TrainConfig
+from .precision import bf16_cpu_warning, bf16_matmul_slowdown
 from .run_dir import (CHECKPOINTS, CONFIG_CHANGES, CONFIG_YAML, METRICS, RunPlan,
                       TrainingDiverged, broadcast, check_finite, checkpoint_dirs, config_changes,
                       discard_run, flatten, last_good_checkpoint, plan_run, save_checkpoint)
@@ -174,6 +175,10 @@ def make_accelerator(cfg: TrainConfig, run_dir: Path):
     if cpu and precision == "fp16":
         raise ConfigError("train.mixed_precision: fp16 does nothing on CPU (accelerate ignores "
                           "it silently); use 'bf16' or 'no'")
+    if cpu and precision == "bf16":
+        warning = bf16_cpu_warning(bf16_matmul_slowdown())
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     return Accelerator(cpu=cpu, mixed_precision=t.mixed_precision,
                        gradient_accumulation_steps=t.grad_accum,
                        log_with="wandb" if cfg.logging.wandb else None,

@@ -305,6 +305,26 @@ def test_mixed_precision_defers_to_accelerate(monkeypatch, tmp_path):
         training.make_accelerator(config, tmp_path)
 
 
+@pytest.mark.parametrize("precision,slowdown,warned", [
+    ("bf16", 27.0, True), ("bf16", 1.0, False), ("no", 27.0, False)])
+def test_bf16_on_a_cpu_that_emulates_it_warns_before_training(monkeypatch, tmp_path, capsys,
+                                                               precision, slowdown, warned):
+    """A CPU run in bf16 autocast on a CPU whose bf16 matmuls are emulated (the probe's
+    slowdown, stubbed here) says so on stderr, naming the key; fp32, or native bf16, says
+    nothing."""
+    monkeypatch.setattr(training, "bf16_matmul_slowdown", lambda: slowdown)
+    config = validate(compose_train(["model=tiny", "debug=fast", "train.device=cpu",
+                                     f"train.mixed_precision={precision}"]))
+    try:
+        training.make_accelerator(config, tmp_path)
+    finally:
+        training._reset_accelerate()
+    err = capsys.readouterr().err
+    assert ("train.mixed_precision=bf16 on a CPU without native bf16" in err) == warned
+    if warned:
+        assert "27x slower" in err
+
+
 # The findings scale trains each shared run once: these jobs of different studies must train the
 # very same thing (same overrides, so the same hash), or `reuse=` silently retrains them.
 SHARED_RUNS = [("replay_length", "no_sim"), ("variants", "ced"), ("topk", "k16"),
