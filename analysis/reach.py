@@ -28,7 +28,8 @@ into the same --out), writes the trained model as the unit, one distance bin at 
                exact Clopper-Pearson CI, recall and the influence share beyond W
   steps.csv    job against job (each job against the next, and --compare pairs): the change
                in the mean drop at N = W inside and beyond, with a bootstrap CI over models
-               and Welch's p (`job_steps`)
+               and Welch's p, and over the seeds both jobs have, the paired change with its
+               seed-level t CI and p (`job_steps`)
   margins.csv  per job x family x d: N*(d) - d over the models competent on the bin (median,
                min, max) and how many of them need N*(d) >= d - W (`margin_table`)
   margin.png   N*(d) - d against d, each job's median over its models, one panel a family
@@ -54,7 +55,7 @@ from matplotlib.figure import Figure
 from evals.cli import list_written
 from evals.erf import erf_shares
 from evals.plots import save
-from evals.suites.stats import binomial_two_sided, clopper_pearson, welch_p
+from evals.suites.stats import binomial_two_sided, clopper_pearson, seed_t_test, welch_p
 
 from . import findings, publish, tables
 from .per_model import COMPETENT, FAIL_MIN_DROP, STAR_MAX_DROP, replay_length_by_job
@@ -199,7 +200,9 @@ def job_steps(models: pd.DataFrame, pairs: list[tuple[str, str]] | None = None,
     """steps.csv: job against job, the trained model as the unit. For each pair (A, B) (by
     default each job against the next, in the order of `models`): the difference B - A of the
     mean drop at N = W over their models, inside and beyond the replay, with a 95% bootstrap
-    CI that resamples each job's models independently, and Welch's two-sided p."""
+    CI that resamples each job's models independently, and Welch's two-sided p. Where the two
+    jobs share seeds (the same data order, and the same initialisation where the model's
+    shape is the same), also the paired reading over those seeds (`_paired_columns`)."""
     jobs = list(dict.fromkeys(models["job"]))
     pairs = pairs if pairs is not None else list(zip(jobs, jobs[1:]))
     rng = np.random.default_rng(seed)
@@ -223,8 +226,29 @@ def job_steps(models: pd.DataFrame, pairs: list[tuple[str, str]] | None = None,
             else:
                 row[f"ci_low_{side}"] = row[f"ci_high_{side}"] = math.nan
             row[f"welch_p_{side}"] = welch_p(x, y)
+            row.update(_paired_columns(models, a, b, side))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _paired_columns(models: pd.DataFrame, a: str, b: str, side: str) -> dict:
+    """The paired reading of job B against job A on one side of the replay, over the seeds both
+    have a drop for: how many (paired_seeds), the mean of the per-seed differences B - A
+    (paired_change), its Student t 95% CI over seeds and the two-sided p of the paired t test
+    (`seed_t_test`; NaN below two seeds). A pair shares what the seed fixes, so the spread
+    between seeds cancels: a job that changes one thing the seed does not fix (a precision, a
+    step count) is read this way."""
+    def by_seed(job: str) -> pd.Series:
+        rows = models[models["job"] == job].dropna(subset=[f"drop_{side}"])
+        return rows.set_index("seed")[f"drop_{side}"]
+    x, y = (by_seed(a), by_seed(b)) if "seed" in models.columns else (pd.Series(), pd.Series())
+    shared = sorted(set(x.index) & set(y.index))
+    differences = (y.loc[shared] - x.loc[shared]).to_numpy(dtype=float)
+    low, high, p = seed_t_test(differences)
+    return {f"paired_seeds_{side}": len(shared),
+            f"paired_change_{side}": float(differences.mean()) if len(shared) else math.nan,
+            f"paired_ci_low_{side}": low, f"paired_ci_high_{side}": high,
+            f"paired_p_{side}": p}
 
 
 def _palette() -> list[str]:

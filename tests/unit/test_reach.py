@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -194,3 +195,25 @@ def test_job_steps_difference_and_its_interval():
     assert extra["change_beyond"].iloc[0] == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="no job z"):
         reach.job_steps(models, [("a", "z")])
+    assert ab["paired_seeds_beyond"] == 0 and math.isnan(ab["paired_change_beyond"])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_paired_step_cancels_the_spread_between_seeds(seed):
+    """Two jobs on the same seeds whose drops differ by a small shift per seed, on a spread
+    between seeds much larger than the shift: the unpaired CI spans zero, the paired one (over
+    the shared seeds only) excludes it and centres on the shift; a seed one job lacks is left
+    out of the pairs."""
+    rng = np.random.default_rng(seed)
+    base = rng.uniform(-0.5, 0.0, 6)
+    shift = rng.normal(-0.05, 0.005, 6)
+    models = pd.DataFrame({"job": ["a"] * 6 + ["b"] * 5, "seed": list(range(6)) + list(range(5)),
+                           "drop_inside": [0.0] * 11,
+                           "drop_beyond": [*base, *(base[:5] + shift[:5])]})
+    row = reach.job_steps(models, [("a", "b")]).iloc[0]
+    assert row["paired_seeds_beyond"] == 5
+    assert row["paired_change_beyond"] == pytest.approx(shift[:5].mean(), abs=1e-12)
+    assert row["paired_ci_low_beyond"] < shift[:5].mean() < row["paired_ci_high_beyond"] < 0
+    assert row["paired_p_beyond"] < 0.01
+    assert row["ci_low_beyond"] < 0 < row["ci_high_beyond"]       # unpaired: lost in the spread
+    assert row["paired_change_inside"] == 0 and row["paired_p_inside"] == 1.0   # no change at all
