@@ -125,7 +125,9 @@ class TrainLoopConfig:
     seed: int = 0
     device: str = "auto"            # auto | cpu | cuda
     # null: whatever `accelerate launch --mixed_precision` / `accelerate config` say ("no"
-    # without either); no | bf16 | fp16 force it (fp16 needs a GPU)
+    # without either); no | bf16 | fp16 force it (fp16 needs a GPU); auto: bf16 where this
+    # machine computes it natively, else no (ced/train/precision.py; the demo's choice, not a
+    # study's: a study's recipe names its precision)
     mixed_precision: Optional[str] = None
     eval_every: int = 100
     eval_batches: int = 2
@@ -177,9 +179,10 @@ class TrainLoopConfig:
                  f"must be a multiple of train.grad_accum ({self.grad_accum})", self.batch_size)
         _require(self.device in ("auto", "cpu", "cuda"), "train.device",
                  "must be 'auto', 'cpu' or 'cuda'", self.device)
-        _require(self.mixed_precision in (None, "no", "bf16", "fp16"), "train.mixed_precision",
-                 "must be null (accelerate's setting), 'no', 'bf16' or 'fp16'",
-                 self.mixed_precision)
+        _require(self.mixed_precision in (None, "no", "bf16", "fp16", "auto"),
+                 "train.mixed_precision",
+                 "must be null (accelerate's setting), 'no', 'bf16', 'fp16' or 'auto' (bf16 "
+                 "where this machine computes it natively, else 'no')", self.mixed_precision)
         _require(self.indexer_kl_weight >= 0, "train.indexer_kl_weight", "must be >= 0",
                  self.indexer_kl_weight)
         _require(self.indexer_warmup_steps >= 0, "train.indexer_warmup_steps", "must be >= 0",

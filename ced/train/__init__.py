@@ -175,14 +175,35 @@ def make_accelerator(cfg: TrainConfig, run_dir: Path):
     if cpu and precision == "fp16":
         raise ConfigError("train.mixed_precision: fp16 does nothing on CPU (accelerate ignores "
                           "it silently); use 'bf16' or 'no'")
-    if cpu and precision == "bf16":
+    chosen = t.mixed_precision
+    if precision == "auto":
+        chosen = auto_precision(cpu)
+    elif cpu and precision == "bf16":
         warning = bf16_cpu_warning(bf16_matmul_slowdown())
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return Accelerator(cpu=cpu, mixed_precision=t.mixed_precision,
+    return Accelerator(cpu=cpu, mixed_precision=chosen,
                        gradient_accumulation_steps=t.grad_accum,
                        log_with="wandb" if cfg.logging.wandb else None,
                        project_dir=str(run_dir))
+
+
+def auto_precision(cpu: bool) -> str:
+    """What `train.mixed_precision=auto` trains in: "bf16" where this machine computes it
+    natively (a GPU that supports it; a CPU whose bf16 matmul is at most EMULATED_SLOWDOWN
+    times slower than fp32's, `bf16_matmul_slowdown`), else "no" (fp32). Says which on stderr:
+    the run's config records "auto", each line of its metrics.jsonl what it resolved to
+    (`bf16`: 1 or 0)."""
+    if cpu:
+        slowdown = bf16_matmul_slowdown()
+        chosen = "no" if bf16_cpu_warning(slowdown) else "bf16"
+        why = f"a bf16 matmul is {slowdown:.1f}x an fp32 one on this CPU"
+    else:
+        chosen = "bf16" if torch.cuda.is_bf16_supported() else "no"
+        why = "this GPU " + ("supports" if chosen == "bf16" else "does not support") + " bf16"
+    print(f"train.mixed_precision=auto: {'bf16' if chosen == 'bf16' else 'fp32'} ({why})",
+          file=sys.stderr, flush=True)
+    return chosen
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> dict:
@@ -469,6 +490,9 @@ def _train_step(run: _Run, step: int) -> dict:
     elapsed = time.perf_counter() - started
     return {"step": step + 1, "loss": loss_value, "indexer_kl": kl_value, "lr": lr,
             "processes": accelerator.num_processes,
+            # what the step computed in (1: bf16 autocast), whatever train.mixed_precision said
+            # (null and auto are resolved by accelerate and `auto_precision`)
+            "bf16": int(accelerator.mixed_precision == "bf16"),
             "tokens_per_s": run.per_micro * t.grad_accum * t.seq_len / elapsed}
 
 

@@ -59,6 +59,7 @@ def test_same_config_and_seed_give_the_same_loss_curve_bitwise(tmp_path):
     assert state["replay_simulation"] == {"length": "5W/8", "N": 5}
     run_train(tmp_path / "b", *common)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert {m["bf16"] for m in metrics(tmp_path / "a")} == {0}   # fp32, recorded per step
     run_train(tmp_path / "c", *common, "train.seed=1")
     assert losses(tmp_path / "c") != losses(tmp_path / "a")
     final = tmp_path / "a" / "final"

@@ -325,6 +325,30 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_before_training(monkeypatch, tmp_p
         assert "27x slower" in err
 
 
+@pytest.mark.parametrize("slowdown,resolved", [(27.0, "no"), (1.2, "bf16")])
+def test_auto_precision_trains_in_bf16_only_where_the_cpu_computes_it(monkeypatch, tmp_path,
+                                                                       capsys, slowdown,
+                                                                       resolved):
+    """train.mixed_precision=auto resolves on the machine: bf16 autocast where the probe says
+    bf16 is native, fp32 where it is emulated; it says which, and never warns (it chose)."""
+    monkeypatch.setattr(training, "bf16_matmul_slowdown", lambda: slowdown)
+    config = validate(compose_train(["model=tiny", "debug=fast", "train.device=cpu",
+                                     "train.mixed_precision=auto"]))
+    assert config.train.mixed_precision == "auto"
+    try:
+        assert training.make_accelerator(config, tmp_path).mixed_precision == resolved
+    finally:
+        training._reset_accelerate()
+    err = capsys.readouterr().err
+    assert f"train.mixed_precision=auto: {'fp32' if resolved == 'no' else 'bf16'}" in err
+    assert "warning" not in err
+
+
+def test_an_unknown_precision_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="train.mixed_precision.*'auto'"):
+        validate(compose_train(["model=tiny", "train.mixed_precision=fp8"]))
+
+
 # The findings scale trains each shared run once: these jobs of different studies must train the
 # very same thing (same overrides, so the same hash), or `reuse=` silently retrains them.
 SHARED_RUNS = [("replay_length", "no_sim"), ("variants", "ced"), ("topk", "k16"),
