@@ -15,7 +15,8 @@ import time
 import torch
 
 # bf16 slower than fp32 by more than this is emulation: a native bf16 matmul is at worst about
-# as fast as fp32's, an emulated one 10-30x slower (measured: AMD EPYC Zen 3, AVX2 only, 27x)
+# as fast as fp32's, an emulated one an order of magnitude slower (benchmarks/README.md, "bf16
+# on CPU")
 EMULATED_SLOWDOWN = 3.0
 
 
