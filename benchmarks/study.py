@@ -25,8 +25,9 @@ composes them (`ced.cli.train.compose_config`), so they cannot drift from the st
 and each variant is `model.variant=ced|dense|swa` on top (dense and swa keep the layers:
 n_encoder_layers + n_decoder_layers of them, and the width; the fields they do not use are
 ignored). One thread, in each study's own precision (`train.mixed_precision`: fp32 for depth and
-real_text, bf16 autocast for encoder_w and real_text_law, whose shapes are composed from the
-study file's job: encoder_w_E8_L8, encoder_w_E20_L20, real_text_law_T4_W8, real_text_law_T8_W8).
+real_text and real_text_law, bf16 autocast for encoder_w; the encoder_w and real_text_law shapes
+are composed from the study file's job: encoder_w_E8_L8, encoder_w_E20_L20, real_text_law_T4_W8,
+real_text_law_T8_W8).
 
 The variants take turns round by round (`peer.interleaved_rounds`); after the warm-up rounds
 the medians of the timed rounds are reported, and each variant's ratio to dense is the median
