@@ -203,11 +203,17 @@ ROW_COLUMNS = ["job", "seed", "model", "id", "family", "x", "distance", "chance"
 
 
 def _rows_of(folder: Path) -> pd.DataFrame:
+    """The rows under `folder`: evals.paths' rows.csv, an archive's paths_rows.csv.gz, or a
+    study's paths folder (the driver's step per model, <job>/seed<k>/rows.csv)."""
     found = [f for f in (folder / "rows.csv", folder / ARCHIVED_ROWS) if f.exists()]
-    if not found:
-        raise FileNotFoundError(f"{folder}: neither rows.csv (evals.paths --out) nor "
-                                f"{ARCHIVED_ROWS} (an archive)")
-    return pd.read_csv(found[0], usecols=ROW_COLUMNS)
+    if found:
+        return pd.read_csv(found[0], usecols=ROW_COLUMNS)
+    steps = sorted(folder.glob("*/*/rows.csv"))
+    if not steps:
+        raise FileNotFoundError(f"{folder}: neither rows.csv (evals.paths --out), "
+                                f"{ARCHIVED_ROWS} (an archive) nor <job>/seed<k>/rows.csv (a "
+                                "study's paths folder)")
+    return pd.concat([pd.read_csv(f, usecols=ROW_COLUMNS) for f in steps], ignore_index=True)
 
 
 def read_rows(paths: Path | list[Path], jobs: list[str] | None = None) -> pd.DataFrame:

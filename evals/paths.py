@@ -45,6 +45,8 @@ from .suites.runner import length_batches, load_checkpoint
 from .suites.stats import seed_t_test, wilson_interval
 
 READINGS = ("full", "replay", "global_cut", "both")
+# what a run writes into --out (the study driver clears them before a rerun)
+OUTPUTS = ("rows.csv", "retained.csv", "jobs.csv", "summary.json")
 
 
 @dataclass

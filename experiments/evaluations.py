@@ -20,7 +20,7 @@ from ced.run_id import IDENTITY, RunId, write_run_id
 from .freshness import DEFAULTS, STAMP, plain, step_decision
 from .steps import banner, step_record, stream, write_stamp
 from .study import config_hash
-from .tools import OVER_MODELS, PER_MODEL, EvaluationTool, JobPlace, Reading, tools
+from .tools import OVER_MODELS, PER_MODEL, TOOLS, EvaluationTool, JobPlace, Reading, tools
 
 
 def reference_config(configs: list) -> Any:
@@ -109,28 +109,48 @@ class EvaluationSteps:
             return [self._tool_step(tool, section, tool.name,
                                     Reading(usable, configs, reference))], ""
         models = self.run_ids(all_jobs=True)
+        upstream = self._upstream_steps(tool)
+        if upstream is not None:
+            usable = {label: ckpt for label, ckpt in usable.items() if label in upstream}
+            if not usable:
+                return [], f"no {tool.reads} step of a model it reads"
         return [self._tool_step(tool, section, label, Reading({label: ckpt}, configs, reference,
                                                                variant),
-                                models[label].under(**variant))
+                                models[label].under(**variant),
+                                None if upstream is None else upstream[label])
                 for label, ckpt in usable.items()
                 for variant in tool.variants(section, configs[label])], ""
 
+    def _upstream_steps(self, tool: EvaluationTool) -> dict[str, dict] | None:
+        """The steps `tool` reads (`EvaluationTool.reads`), by model label, as trained (no
+        eval-time variant); None for a tool that reads none. (A study with the section of
+        `tool` has the section it reads: `experiments.study.load_study` checks.)"""
+        if not tool.reads:
+            return None
+        steps, _ = self.tool_steps(TOOLS[tool.reads])
+        return {step["label"]: step for step in steps
+                if all(value is None for value in step["reading"].variant.values())}
+
     def _tool_step(self, tool: EvaluationTool, section: Any, run: str,
-                   reading: Reading, run_id: RunId | None = None) -> dict:
+                   reading: Reading, run_id: RunId | None = None,
+                   upstream: dict | None = None) -> dict:
         """One step of `tool` (see `tool_steps`); `run`: the training run it reads (the tool's
         name for a step over models); `run_id`: a per model step's model and overrides (its
-        folder's name and run.json)."""
+        folder's name and run.json); `upstream`: the step of the same model it reads
+        (`EvaluationTool.reads`), whose hash its own covers."""
         label = run if run_id is None else run_id.label
         options = tool.options(section, reading)
         trained = sorted(digest for _, digest in reading.checkpoints.values())
         inputs = {tool.hashed_as or tool.name: options,
                   DEFAULTS: tool.defaults(exclude=options), **tool.computed(options, reading),
                   "trained": trained if tool.scope == OVER_MODELS else trained[0]}
+        if upstream is not None:
+            inputs["reads"] = {tool.reads: upstream["hash"]}
         key = tool.name if tool.scope == OVER_MODELS else f"{tool.name}/{label}"
         out = self.out / key
         return {"key": key, "label": label, "run": run, "run_id": run_id, "out": out,
                 "done": out / tool.done,
-                "hash": config_hash(inputs), "inputs": inputs,
+                "hash": config_hash(inputs), "inputs": inputs, "upstream": upstream,
                 "written": {tool.name: plain(section)}, "options": options, "reading": reading}
 
     def run_tool(self, tool: EvaluationTool) -> None:
@@ -147,9 +167,16 @@ class EvaluationSteps:
     def _run_tool_step(self, tool: EvaluationTool, step: dict) -> None:
         """One step of `tool` (`tool_steps`): its config written beside its log, and run as
         `python -m experiments.job` through `execute`."""
-        key, out, options = step["key"], step["out"], step["options"]
+        key, out, options, upstream = step["key"], step["out"], step["options"], step["upstream"]
+        if upstream is not None and step_decision(upstream, self.repair)[0] != "skip":
+            # the step it reads failed, or holds what older inputs wrote: nothing to read yet
+            print(f"[study] {key}: its {tool.reads} step {upstream['key']} is not done with "
+                  "the current inputs; skipped", flush=True)
+            self.record(key, "skipped", reason=f"{upstream['key']} not done")
+            return
         place = JobPlace(out=str(out), checkpoints=step["reading"].paths, wandb=self.wandb,
-                         project=self.project, group=self.group)
+                         project=self.project, group=self.group,
+                         inputs=() if upstream is None else (str(upstream["out"]),))
         job = tool.job_config(options, place)
         log = self.out / "logs" / f"{key.replace('/', '_')}.log"
         label = key.replace("/", " ", 1)

@@ -126,6 +126,10 @@ def load_study(name: str, scale: str = "demo", seeds: list[int] | None = None) -
     for name, section in study.evaluations.items():
         if section is not None and TOOLS[name].check is not None:
             TOOLS[name].check(section, f"{where}{name}.")
+        reads = TOOLS[name].reads
+        if section is not None and reads and study.evaluations.get(reads) is None:
+            raise StudyError(f"{where}{name}: reads each model's {reads} step, and the study "
+                             f"has no {reads} section (add one, or remove {name})")
     return study
 
 

@@ -14,11 +14,14 @@ Its registration, an `EvaluationTool` handed to `register`, is all the driver ne
   per model), what else its hash covers (`computed`), and the job's config (`job`);
 - the file whose presence says a step finished (`done`), the files cleared before a rerun
   (`outputs`), whether it stops between batches on SIGTERM/SIGINT, and the config fields the
-  driver sets itself (`driven`).
+  driver sets itself (`driven`);
+- the per model tool whose step of the same model it reads, if any (`reads`: `paths` reads the
+  documents of the model's `suite` step): that step's folder reaches the job (`JobPlace.inputs`),
+  its hash is part of this step's, and this step waits until that one is done.
 
 The driver runs every registered tool in registration order through one loop
 (`experiments.evaluations.EvaluationSteps.evaluate`); `only=plan` lists their steps in the same
-order. Built in: divergence, suite, erf, real_text. lm-eval is not a registered tool: it reads
+order. Built in: divergence, suite, erf, real_text, paths. lm-eval is not a registered tool: it reads
 the real_text section through lm-eval's own command line in two stages (a code-tasks step per
 model, then a run per model and mode), which would need hooks no other tool has; it stays a
 sub-step of real_text (`EvaluationSteps.lm_eval`).
@@ -79,14 +82,16 @@ class Reading:
 
 @dataclass(frozen=True)
 class JobPlace:
-    """Where one step's job reads (`checkpoints`, as `Reading.paths`) and writes (`out`), and
-    the study's W&B settings, for `EvaluationTool.job`."""
+    """Where one step's job reads (`checkpoints`, as `Reading.paths`; `inputs`, the folders of
+    the steps it reads, `EvaluationTool.reads`, one per checkpoint) and writes (`out`), and the
+    study's W&B settings, for `EvaluationTool.job`."""
 
     out: str
     checkpoints: list[str]
     wandb: bool
     project: str
     group: str
+    inputs: tuple[str, ...] = ()
 
     def wandb_fields(self) -> dict[str, Any]:
         """The W&B fields of a tool whose config names them wandb, wandb_project, wandb_group."""
@@ -153,6 +158,9 @@ class EvaluationTool:
     # others keep the signals' default effect
     stops_between_batches: bool = False
     shown: tuple[str, ...] = ()     # the options the step's banner shows
+    # a per model tool registered before this one whose step of the same model (as trained)
+    # this one reads; "": none
+    reads: str = ""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name in DRIVER_FOLDERS:
@@ -161,6 +169,9 @@ class EvaluationTool:
         if self.scope not in (PER_MODEL, OVER_MODELS):
             raise ValueError(f"EvaluationTool.scope: {PER_MODEL!r} or {OVER_MODELS!r}; got "
                              f"{self.scope!r}")
+        if self.reads and self.scope != PER_MODEL:
+            raise ValueError(f"EvaluationTool.reads: only a per model tool reads another's "
+                             f"step of the same model; {self.name!r} is {self.scope!r}")
 
     def load(self) -> tuple[type, Callable[[Any], Any]]:
         """(its config dataclass, its run function), from its module."""
@@ -246,6 +257,9 @@ def register(tool: EvaluationTool) -> EvaluationTool:
         raise ValueError(f"evaluation tool {tool.name!r}: registered already (module "
                          f"{TOOLS[tool.name].module}); a tool's name is its study section, "
                          "job kind and output folder, so each is registered once")
+    if tool.reads and (tool.reads not in TOOLS or TOOLS[tool.reads].scope != PER_MODEL):
+        raise ValueError(f"evaluation tool {tool.name!r}: reads={tool.reads!r} must name a per "
+                         f"model tool registered before it (registered: {sorted(TOOLS)})")
     TOOLS[tool.name] = tool
     return tool
 
@@ -294,3 +308,11 @@ register(EvaluationTool(
                                 **place.wandb_fields()},
     driven=("checkpoint", "out", "wandb", "wandb_project", "wandb_group"),
     done="baselines.csv", outputs="OUTPUTS", stops_between_batches=True, shown=("replays",)))
+
+register(EvaluationTool(
+    name="paths", module="evals.paths", config="PathsConfig", run="run",
+    applies=lambda config: config.variant == "ced" and config.traits.decoder_windows,
+    models="of variant ced with decoder windows", reads="suite",
+    job=lambda options, place: {**options, "suite": list(place.inputs),
+                                "checkpoint": place.checkpoints, "out": place.out},
+    driven=("suite", "checkpoint", "out"), outputs="OUTPUTS", shown=("replays",)))
