@@ -50,6 +50,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pandas as pd
 
+from analysis import tables
 from analysis.publish import markdown
 from ced.config import ModelConfig, exact_replay_length
 
@@ -303,10 +304,16 @@ def only_jobs(models: pd.DataFrame, jobs: list[str] | None) -> pd.DataFrame:
 
 
 def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.05,
-          target: Target | None = None, jobs: list[str] | None = None) -> dict:
+          target: Target | None = None, jobs: list[str] | None = None,
+          pools: dict[str, list[str]] | None = None) -> dict:
     """laws.csv, held_out.csv, laws.png and laws.md into `out`, from the models of `jobs`
-    (None: every job of the table); returns {name: path}."""
-    models = only_jobs(pd.read_csv(models_csv), jobs)
+    (None: every job of the table), the jobs of each of `pools` first read as one cell
+    (`tables.pooled`); returns {name: path}."""
+    models = pd.read_csv(models_csv)
+    for cell, members in (pools or {}).items():
+        models = pd.concat([models[~models["job"].isin(members)],
+                            tables.pooled(models, cell, members)], ignore_index=True)
+    models = only_jobs(models, jobs)
     table, errors = compare(models, resamples, alpha, target=target)
     out.mkdir(parents=True, exist_ok=True)
     written = {"laws": out / "laws.csv", "held_out": out / "held_out.csv",
@@ -317,7 +324,9 @@ def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.0
     dropped = int(models["N_star"].isna().sum())
     written["markdown"].write_text(
         f"# Which law sets N*\n\nFrom {models_csv}"
-        f"{' (jobs ' + ', '.join(jobs) + ')' if jobs else ''} ({len(models)} models, "
+        f"{' (jobs ' + ', '.join(jobs) + ')' if jobs else ''}"
+        + "".join(f"; {cell} pools {', '.join(m)}" for cell, m in (pools or {}).items())
+        + f" ({len(models)} models, "
         f"{dropped} without an "
         f"N*). Each cell held out in turn; RMSE of the held-out cell means, model-level "
         f"{100 * (1 - alpha):.0f}% CIs from {resamples} draws of models within cells. "
@@ -355,10 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         "(default deepseek_v41_flash: W = 128, R_exact = 2541)"))
     parser.add_argument("--jobs", nargs="+", metavar="JOB",
                         help="fit only these cells (default: every job of the table)")
+    parser.add_argument("--pool", nargs="*", default=[], metavar="CELL=A,B", help=(
+        "jobs read as one cell (distinct seeds), named CELL in --jobs and the tables"))
     args = parser.parse_args(argv)
     try:
         written = write(args.models, args.out, args.resamples, args.alpha,
-                        Target.parse(args.target), args.jobs)
+                        Target.parse(args.target), args.jobs, tables.parse_pools(args.pool))
     except (FileNotFoundError, ValueError) as error:
         print(f"analysis.laws: {error}", file=sys.stderr)
         return 2

@@ -195,6 +195,21 @@ def cell_table(paired: pd.DataFrame, models: pd.DataFrame, bins: pd.DataFrame,
     return pd.DataFrame(rows)
 
 
+def pooled_cells(paired: pd.DataFrame, models: pd.DataFrame, bins: pd.DataFrame,
+                 marks: dict, pools: dict[str, list[str]]) -> pd.DataFrame:
+    """cells.csv rows of cells pooled from several jobs (`--pool`, `tables.pooled`), each
+    named by its cell and listing its jobs in `pooled`; the jobs must share W and R_exact."""
+    rows = []
+    for cell, jobs in pools.items():
+        shapes = {(marks.get(j, {}).get("W"), marks.get(j, {}).get("R_exact")) for j in jobs}
+        if len(shapes) != 1:
+            raise ValueError(f"--pool {cell}: jobs of different (W, R_exact) {sorted(shapes)}")
+        table = cell_table(tables.pooled(paired, cell, jobs), tables.pooled(models, cell, jobs),
+                           tables.pooled(bins, cell, jobs), {cell: marks[jobs[0]]})
+        rows.append(table.assign(pooled="+".join(jobs)))
+    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+
+
 def job_steps(models: pd.DataFrame, pairs: list[tuple[str, str]] | None = None,
               resamples: int = 4000, seed: int = 0) -> pd.DataFrame:
     """steps.csv: job against job, the trained model as the unit. For each pair (A, B) (by
@@ -345,8 +360,10 @@ def read_erf(path: Path | None) -> pd.DataFrame | None:
 
 
 def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
-          compare: list[tuple[str, str]] | None = None) -> dict:
-    """Every table and figure of the module doc into `out`; returns {name: path}."""
+          compare: list[tuple[str, str]] | None = None,
+          pools: dict[str, list[str]] | None = None) -> dict:
+    """Every table and figure of the module doc into `out` (cells.csv with a row per pooled
+    cell of `pools` after the jobs' own); returns {name: path}."""
     written = findings.write_findings(study, out, alpha)
     results = tables.load_results(study)
     marks = tables.geometry(study)
@@ -357,6 +374,9 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
     bins = bin_table(paired, results, marks)
     models = model_table(paired, bins, results, marks, read_erf(erf))
     cells = cell_table(paired, models, bins, marks)
+    if pools:
+        cells = pd.concat([cells, pooled_cells(paired, models, bins, marks, pools)],
+                          ignore_index=True)
     steps = job_steps(models)
     if compare:
         steps = pd.concat([steps, job_steps(models, compare)], ignore_index=True)
@@ -365,7 +385,8 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
                         ("margins", margins)):
         written[name] = out / f"{name}.csv"
         table.to_csv(written[name], index=False, float_format="%.6g")
-    for name, figure in (("margin", margin_figure(bins)), ("drop_at_W", drop_figure(models, cells))):
+    own = cells[~cells["job"].isin(pools or {})]       # the figure shows each job's models
+    for name, figure in (("margin", margin_figure(bins)), ("drop_at_W", drop_figure(models, own))):
         if figure is not None:
             written[name] = save(figure, out / f"{name}.png", dpi=110)
     written["reach"] = out / "reach.md"
@@ -385,7 +406,7 @@ def _markdown(cells: pd.DataFrame, models: pd.DataFrame, steps: pd.DataFrame,
                  "N_star_median", "N_star_min", "N_star_max", "drop_inside", "seed_ci_low_inside",
                  "seed_ci_high_inside", "drop_beyond", "ci_low_beyond", "ci_high_beyond",
                  "seed_ci_low_beyond", "seed_ci_high_beyond", "failed_beyond", "judged_beyond",
-                 "recall_full_mean", "share_beyond_W_mean") if c in cells]), "",
+                 "recall_full_mean", "share_beyond_W_mean", "pooled") if c in cells]), "",
              "## Per model", "",
              publish.markdown(models, [c for c in (
                  "job", "seed", "N_star", "largest_competent_d", "horizon", "competent_bins",
@@ -414,8 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs="*", default=[], metavar="A:B", help=(
         "job pairs compared in steps.csv beside each job against the next, e.g. "
         "R0_base:R0_shift0"))
+    parser.add_argument("--pool", nargs="*", default=[], metavar="CELL=A,B", help=(
+        "jobs read as one cell's models, a row of cells.csv after the jobs' own, e.g. "
+        "E8_L8_s2500_all=E8_L8_s2500,E8_L8_s2500_fp32 (distinct seeds, the same W and R_exact)"))
     args = parser.parse_args(argv)
     erf = Path(args.erf) if args.erf else None
+    try:
+        pools = tables.parse_pools(args.pool)
+    except ValueError as error:
+        parser.error(str(error))
     pairs = []
     for item in args.compare:
         a, sep, b = item.partition(":")
@@ -423,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--compare: expected JOB_A:JOB_B, got {item!r}")
         pairs.append((a, b))
     return list_written("reach", lambda: write(Path(args.study), Path(args.out), erf,
-                                                        args.alpha, pairs),
+                                                        args.alpha, pairs, pools),
                                  errors=(FileNotFoundError, ValueError))
 
 

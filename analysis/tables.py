@@ -545,3 +545,41 @@ def write_seed_t(findings_dir: Path) -> dict[str, Path]:
     out = findings_dir / "seed_level.csv"
     pd.concat(tables, ignore_index=True).to_csv(out, index=False)
     return {"seed_level": out}
+
+
+def parse_pools(items: list[str]) -> dict[str, list[str]]:
+    """`--pool CELL=JOB_A,JOB_B` items -> {cell: [jobs]}: jobs read as one cell's models (a
+    recipe trained in two precisions on different seeds). A malformed item, a cell named twice
+    or a job in two cells is a ValueError naming it."""
+    pools: dict[str, list[str]] = {}
+    for item in items:
+        cell, sep, jobs = item.partition("=")
+        names = [j for j in jobs.split(",") if j]
+        if not (sep and cell and len(names) >= 2):
+            raise ValueError(f"--pool: expected CELL=JOB_A,JOB_B[,...], got {item!r}")
+        if cell in pools:
+            raise ValueError(f"--pool: cell {cell!r} named twice")
+        pools[cell] = names
+    jobs = [j for names in pools.values() for j in names]
+    twice = sorted({j for j in jobs if jobs.count(j) > 1})
+    if twice:
+        raise ValueError(f"--pool: job(s) {twice} in more than one cell")
+    return pools
+
+
+def pooled(frame: pd.DataFrame, cell: str, jobs: list[str]) -> pd.DataFrame:
+    """The rows of `jobs` in `frame` (columns job and seed) relabelled as one cell `cell`.
+    Refused (ValueError) where a job is missing or a seed is in two of the jobs: a cell's
+    models are distinct trainings, and a seed trained twice (an fp32 twin of a bf16 model) is
+    one seed read twice, which pooling would count as two."""
+    missing = sorted(set(jobs) - set(frame["job"]))
+    if missing:
+        raise ValueError(f"--pool {cell}: no job {missing} in the table (it has "
+                         f"{sorted(set(frame['job']))})")
+    mine = frame[frame["job"].isin(jobs)]
+    owners = mine.groupby("seed")["job"].nunique()
+    shared = sorted(int(s) for s in owners[owners > 1].index)
+    if shared:
+        raise ValueError(f"--pool {cell}: seed(s) {shared} in more than one of {jobs}: pool "
+                         "models of distinct seeds (compare twins with --compare)")
+    return mine.assign(job=cell)

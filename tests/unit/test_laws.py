@@ -136,3 +136,25 @@ def test_a_target_is_a_geometry_or_a_model_file_and_bad_text_is_one_line():
     for text in ("W=16", "W=16,R_exact=0", "W=16,R_exact", "W=16,R_exact=8,L=2", "no_such"):
         with pytest.raises(ValueError, match="--target"):
             laws.Target.parse(text)
+
+
+def test_pooled_jobs_are_fitted_as_one_cell(tmp_path):
+    """--pool CELL=A,B: a cell's models split over two jobs (seeds 0-2 and seed 3, as an fp32
+    model joins a bf16 cell) fit as the cell whole; a seed in both jobs is refused."""
+    whole = fabricated(lambda w, r: 0.5 * r)
+    split = whole.copy()
+    split.loc[(split["job"] == "W8_L8") & (split["seed"] == 3), "job"] = "W8_L8_fp32"
+    for table, name in ((whole, "whole"), (split, "split")):
+        table.to_csv(tmp_path / f"{name}.csv", index=False)
+    assert laws.main(["--models", str(tmp_path / "whole.csv"), "--out", str(tmp_path / "a"),
+                      "--resamples", "50"]) == 0
+    assert laws.main(["--models", str(tmp_path / "split.csv"), "--out", str(tmp_path / "b"),
+                      "--resamples", "50", "--pool", "W8_L8=W8_L8,W8_L8_fp32"]) == 0
+    a = pd.read_csv(tmp_path / "a" / "held_out.csv").sort_values(["law", "job"])
+    b = pd.read_csv(tmp_path / "b" / "held_out.csv").sort_values(["law", "job"])
+    assert list(a["job"]) == list(b["job"]) and list(a["models"]) == list(b["models"])
+    assert np.allclose(a["predicted"], b["predicted"]) and np.allclose(a["error"], b["error"])
+    split.loc[len(split)] = {**split.iloc[0].to_dict(), "job": "W8_L8_fp32", "seed": 0}
+    split.to_csv(tmp_path / "twin.csv", index=False)
+    assert laws.main(["--models", str(tmp_path / "twin.csv"), "--out", str(tmp_path / "c"),
+                      "--pool", "W8_L8=W8_L8,W8_L8_fp32"]) == 2

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from ced import ModelConfig, exact_replay_length
-from analysis import reach
+from analysis import reach, tables
 from evals.suites.families import SuiteSettings, build_documents, uncensored_span_starts
 
 
@@ -217,3 +217,47 @@ def test_a_paired_step_cancels_the_spread_between_seeds(seed):
     assert row["paired_p_beyond"] < 0.01
     assert row["ci_low_beyond"] < 0 < row["ci_high_beyond"]       # unpaired: lost in the spread
     assert row["paired_change_inside"] == 0 and row["paired_p_inside"] == 1.0   # no change at all
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pooled_cell_reads_two_jobs_models_as_one_cells(seed):
+    """--pool: a job and its fp32 models of other seeds read as one cell; the pooled row
+    equals the cell of one job holding all those models, and a seed in both is refused."""
+    rng = random.Random(seed)
+    grid_n = [4, 8, 12, 15]
+    marks = {job: {"W": 8, "R_exact": 15} for job in ("bf", "fp", "one", "wide")}
+    marks["wide"] = {"W": 16, "R_exact": 31}
+    bins_d = [4, 9, 12]
+    lose = {s: rng.uniform(0.2, 0.9) for s in range(4)}
+    rule = {s: ({d: 1.0 for d in bins_d}, lambda d, n, p=lose[s]: p if d > n else 0.0)
+            for s in range(4)}
+    models = {("bf", s): rule[s] for s in (0, 1, 2)}
+    models[("fp", 3)] = rule[3]
+    results = _fabricate(random.Random(seed), models, grid_n)
+    one = _fabricate(random.Random(seed), {("one", s): rule[s] for s in range(4)}, grid_n)
+    paired = reach.paired_outcomes(results, marks)
+    bins = reach.bin_table(paired, results, marks)
+    table = reach.model_table(paired, bins, results, marks)
+    cell = reach.pooled_cells(paired, table, bins, marks, {"both": ["bf", "fp"]}).iloc[0]
+    assert cell["job"] == "both" and cell["pooled"] == "bf+fp" and cell["models"] == 4
+    paired_1 = reach.paired_outcomes(one, marks)
+    bins_1 = reach.bin_table(paired_1, one, marks)
+    whole = reach.cell_table(paired_1, reach.model_table(paired_1, bins_1, one, marks), bins_1,
+                             marks).iloc[0]
+    # the same models (same rules, same draws per model): the same cell, up to the bootstrap
+    for column in ("drop_beyond", "ci_low_beyond", "ci_high_beyond", "failed_beyond",
+                   "judged_beyond", "n_beyond", "N_star_median"):
+        assert cell[column] == pytest.approx(whole[column], abs=1e-12), column
+    twins = _fabricate(random.Random(seed), {**models, ("fp", 0): rule[0]}, grid_n)
+    paired_t = reach.paired_outcomes(twins, marks)
+    bins_t = reach.bin_table(paired_t, twins, marks)
+    with pytest.raises(ValueError, match=r"seed\(s\) \[0\] in more than one"):
+        reach.pooled_cells(paired_t, reach.model_table(paired_t, bins_t, twins, marks), bins_t,
+                           marks, {"both": ["bf", "fp"]})
+    with pytest.raises(ValueError, match="different"):
+        reach.pooled_cells(paired, table, bins, {**marks, "fp": marks["wide"]},
+                           {"both": ["bf", "fp"]})
+    with pytest.raises(ValueError, match="CELL=JOB_A,JOB_B"):
+        tables.parse_pools(["both=bf"])
+    with pytest.raises(ValueError, match="more than one cell"):
+        tables.parse_pools(["a=x,y", "b=y,z"])
