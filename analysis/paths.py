@@ -52,6 +52,7 @@ from evals.paths import retained
 from evals.plots import grid, save
 from evals.suites.stats import seed_t_test, wilson_interval
 
+from . import tables
 from .per_model import COMPETENT
 
 PATHS = {"replay": "global", "global_cut": "chain", "both": "encoder"}
@@ -239,18 +240,23 @@ def read_rows(paths: Path | list[Path], jobs: list[str] | None = None) -> pd.Dat
 
 
 def write(paths: Path | list[Path], out: Path, models_csv: Path | None = None,
-          jobs: list[str] | None = None, archive: Path | None = None) -> dict[str, Path]:
+          jobs: list[str] | None = None, archive: Path | None = None,
+          pools: dict[str, list[str]] | None = None) -> dict[str, Path]:
     """Read evals.paths' rows under `paths` (one folder or several: `read_rows`; and
     models.csv), write the outputs into `out`
     (and, with `archive`, the rows the analysis reads as paths_rows.csv.gz there, gzip
     without a timestamp so that the same rows give the same bytes); returns {name: path}.
-    Missing inputs raise FileNotFoundError."""
+    `pools` (`tables.parse_pools`) add a paths_cells.csv row per cell pooled from several
+    jobs (`pooled` names them). Missing inputs raise FileNotFoundError."""
     rows = read_rows(paths, jobs)
     drops = pd.read_csv(models_csv) if models_csv else None
     models = per_model(rows, drops)
     if models.empty:
         raise ValueError(f"{paths}: no competent bin with evidence before a cut")
     table = cells(models)
+    for cell, members in (pools or {}).items():
+        table = pd.concat([table, cells(tables.pooled(models, cell, members)).assign(
+            pooled="+".join(members))], ignore_index=True)
     rho = correlations(models) if drops is not None else pd.DataFrame(
         columns=["path", "models", "rho", "p"])
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +270,8 @@ def write(paths: Path | list[Path], out: Path, models_csv: Path | None = None,
     sources = {"paths": [str(p) for p in ([paths] if isinstance(paths, Path) else paths)],
                "models": str(models_csv) if models_csv else None}
     written["paths_md"].write_text(markdown(table, rho, sources))
-    save(figure(models, table, distance), written["paths_png"])
+    save(figure(models, table[table["job"].isin(models["job"])], distance),
+         written["paths_png"])
     if archive is not None:
         archive.mkdir(parents=True, exist_ok=True)
         written["paths_rows"] = archive / ARCHIVED_ROWS
@@ -289,11 +296,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archive", default=None, help=(
         f"also write the rows it reads, compressed, as DIR/{ARCHIVED_ROWS} (a study's "
         "archive: --paths can read it back)"))
+    parser.add_argument("--pool", nargs="*", default=[], metavar="CELL=A,B", help=(
+        "jobs read as one cell's models, a row of paths_cells.csv after the jobs' own "
+        "(distinct seeds; analysis.reach --pool)"))
     args = parser.parse_args(argv)
+    try:
+        pools = tables.parse_pools(args.pool)
+    except ValueError as error:
+        parser.error(str(error))
     return list_written("paths", lambda: write(
         [Path(p) for p in args.paths], Path(args.out),
         Path(args.models) if args.models else None,
-        args.jobs, Path(args.archive) if args.archive else None),
+        args.jobs, Path(args.archive) if args.archive else None, pools),
         errors=(FileNotFoundError, ValueError))
 
 

@@ -113,3 +113,33 @@ def test_two_cuts_each_read_alone_and_the_smallest_leads():
     assert table.loc[(8, "chain"), "retained"] == 0
     distance = by_distance(rows).set_index(["distance", "path"])
     assert math.isclose(distance.loc[(12, "chain"), "retained"], 0.75)   # N = 4's rows
+
+
+def test_a_pooled_cell_is_the_cell_of_its_jobs_models(tmp_path):
+    """--pool: job J's seeds 0-1 and job K's seed 2 read as one cell equal J holding all three;
+    the study folder layout (<job>/seed<k>/rows.csv, the driver's steps) reads as one table."""
+    chains = {"J/seed0": 0.25, "J/seed1": 0.5, "J/seed2": 0.75}
+    rows = fabricated(chains)
+    drops = pd.DataFrame({"job": "J", "seed": [0, 1, 2], "drop_beyond": [-0.1, -0.3, -0.6]})
+    whole = cells(per_model(rows, drops)).set_index(["N", "path"])
+    split = rows.copy()
+    moved = split["seed"] == 2
+    split.loc[moved, "job"], split.loc[moved, "model"] = "K", "K/seed2"
+    for (job, seed), part in split.groupby(["job", "seed"]):
+        (tmp_path / "study" / job / f"seed{seed}").mkdir(parents=True)
+        part.to_csv(tmp_path / "study" / job / f"seed{seed}" / "rows.csv", index=False)
+    split_drops = drops.assign(job=["J", "J", "K"])
+    split_drops.to_csv(tmp_path / "models.csv", index=False)
+    written = write(tmp_path / "study", tmp_path / "out", tmp_path / "models.csv",
+                    pools={"JK": ["J", "K"]})
+    table = pd.read_csv(written["paths_cells"])
+    assert set(table["job"]) == {"J", "K", "JK"}
+    pooled = table[table["job"] == "JK"].set_index(["N", "path"])
+    assert (pooled["pooled"] == "J+K").all()
+    for column in ("models", "retained", "model_ci_low", "model_ci_high", "documents", "kept"):
+        assert np.allclose(pooled[column], whole.loc[pooled.index, column]), column
+    (tmp_path / "twin").mkdir()                 # seed 0 read in both jobs: refused
+    pd.concat([rows, rows[rows["seed"] == 0].assign(job="K", model="K/seed0")]).to_csv(
+        tmp_path / "twin" / "rows.csv", index=False)
+    with pytest.raises(ValueError, match=r"seed\(s\) \[0\] in more than one"):
+        write(tmp_path / "twin", tmp_path / "o", pools={"JK": ["J", "K"]})
