@@ -378,8 +378,11 @@ def write(study: Path, out: Path, erf: Path | None = None, alpha: float = 0.05,
         cells = pd.concat([cells, pooled_cells(paired, models, bins, marks, pools)],
                           ignore_index=True)
     steps = job_steps(models)
-    if compare:
-        steps = pd.concat([steps, job_steps(models, compare)], ignore_index=True)
+    if compare:     # a pair may name a pooled cell: its models under the cell's name
+        named = pd.concat([models, *[tables.pooled(models, cell, jobs)
+                                     for cell, jobs in (pools or {}).items()]],
+                          ignore_index=True)
+        steps = pd.concat([steps, job_steps(named, compare)], ignore_index=True)
     margins = margin_table(bins)
     for name, table in (("bins", bins), ("models", models), ("cells", cells), ("steps", steps),
                         ("margins", margins)):
