@@ -21,9 +21,15 @@ of `analysis.findings` and `analysis.depth` need, as a skeleton study directory:
                                        runs/<job>/seed<k>/
     runs/<job>/seed<k>/config.yaml     the training config (L_d, arm)
     runs/<job>/seed<k>/final/          with --weights: the final checkpoint (model.safetensors,
-                                       config.json) and metrics.jsonl, the training curve
+                                       config.json), metrics.jsonl (the training curve) and
+                                       study_step.json (put back, the driver skips the run)
     summary.json                       the driver's invocations (command, commit, time) and
                                        step times, merged over every archived study directory
+    real_text/<job>/seed<k>/           a real-text reading's tables per model (the driver's
+                                       `real_text:` step; not tokens.parquet), real_text/ the
+                                       merged tables of every model and lm_eval_outcomes.csv.gz
+                                       (every lm-eval document of every run: job, seed, mode,
+                                       family, distance bin, id, correct)
     erf_shares.csv                     per model its decoder influence beyond W and 2W, from
                                        the study's erf/<job>/seed<k>/ (the driver's `erf:`
                                        step) and from any --erf directory
@@ -50,6 +56,7 @@ import pandas as pd
 from ced.run_id import identified, write_run_id
 from evals.erf import erf_shares
 from evals.modes import MODE_COLUMNS
+from evals.real_text import LM_EVAL_OUTCOMES
 
 CELLS = "cells.csv"
 OUTCOMES = "outcomes.csv.gz"
@@ -57,6 +64,8 @@ OUTCOME_COLUMNS = ["id", "family", "x", "mode", "correct", "kl_answer"]
 # what `--weights` keeps of a run: the final checkpoint and the training curve
 WEIGHT_FILES = ("final/model.safetensors", "final/config.json", "metrics.jsonl")
 FULL = "full"
+# what the archive keeps of a real-text reading (per model and merged)
+READING_FILES = ("kl_by_position.csv", "kl_by_class.csv", "baselines.csv", "settings.json")
 
 
 def cells_of(results: pd.DataFrame) -> pd.DataFrame:
@@ -128,17 +137,48 @@ def archive(study: Path, into: Path, weights: bool = False) -> list[str]:
         keep = {k: run[k] for k in ("checkpoint", "config", "settings", "examples", "modes",
                                     "seconds") if k in run}
         (target / "summary.json").write_text(json.dumps({"run": keep}, indent=1) + "\n")
-        run, kept = study / "runs" / run_id.model, into / "runs" / run_id.model
-        write_run_id(kept, run_id.trained)
-        for name in ("config.yaml", *(WEIGHT_FILES if weights else ())):
-            if (run / name).exists():
-                (kept / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(run / name, kept / name)
+        archive_run(study, into, run_id, weights)
         done.append(label)
     # the study driver's own erf step (`erf:`): one evals.erf output per model
     for summary in sorted((study / "erf").glob("*/seed*/summary.json")):
         archive_erf(summary.parent, into)
+    done += [label for label in archive_real_text(study, into, weights) if label not in done]
     _merge_summary(study / "summary.json", into / "summary.json")
+    return done
+
+
+def archive_run(study: Path, into: Path, run_id, weights: bool) -> None:
+    """One training run's config and identity and, with `weights`, its final checkpoint,
+    curve and training record (study_step.json: put back, the driver skips the run)."""
+    run, kept = study / "runs" / run_id.model, into / "runs" / run_id.model
+    write_run_id(kept, run_id.trained)
+    for name in ("config.yaml", *(("study_step.json", *WEIGHT_FILES) if weights else ())):
+        if (run / name).exists():
+            (kept / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run / name, kept / name)
+
+
+def archive_real_text(study: Path, into: Path, weights: bool = False) -> list[str]:
+    """A study's real-text reading (the driver's `real_text:` step): per model read, its
+    tables (`READING_FILES`: not tokens.parquet, hundreds of megabytes at the findings scale,
+    nor the step's record, so a study put back reads the model again) and its run
+    (`archive_run`); in real_text/ the merged tables of every model and the lm-eval documents
+    of the study's current runs (`LM_EVAL_OUTCOMES`, written by the driver's lm-eval step).
+    Returns the labels of the models archived."""
+    root, done = study / "real_text", []
+    for run_id, folder in identified(root):
+        if not (folder / "baselines.csv").exists():
+            continue
+        target = into / "real_text" / run_id.label
+        write_run_id(target, run_id)
+        for name in READING_FILES:
+            if (folder / name).exists():
+                shutil.copy(folder / name, target / name)
+        archive_run(study, into, run_id, weights)
+        done.append(run_id.label)
+    for name in (*READING_FILES, LM_EVAL_OUTCOMES) if (root / "baselines.csv").exists() else ():
+        if (root / name).exists():
+            shutil.copy(root / name, into / "real_text" / name)
     return done
 
 

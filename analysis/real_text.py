@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from ced.records import write_json
-from evals.real_text import lm_eval_runs, read_lm_eval
+from evals.real_text import LM_EVAL_OUTCOMES, lm_eval_runs, read_lm_eval
 
 from . import plots
 from .publish import markdown, provenance, provenance_markdown
@@ -21,16 +21,22 @@ from .tables import accuracy_table, capability_drop_table
 
 def write_lm_eval(root: Path, out: Path, runs: list[Path] | None = None) -> dict[str, Path]:
     """lm_eval.csv (every mode against full, paired on documents: the example-level and
-    seed-level CIs, p-values and Holm of `analysis.tables.capability_drop_table`) and
-    lm_eval_accuracy.csv (accuracy per job, task, distance bin and mode) from `read_lm_eval`
-    (of `runs` only, when given: the study driver passes the runs of its current spec)."""
+    seed-level CIs, p-values and Holm of `analysis.tables.capability_drop_table`),
+    lm_eval_accuracy.csv (accuracy per job, task, distance bin and mode) and
+    lm_eval_outcomes.csv.gz (the documents they were computed from, one row per run and
+    document: what `analysis.archive` keeps) from `read_lm_eval` (of `runs` only, when given:
+    the study driver passes the runs of its current spec)."""
     results = read_lm_eval(root, runs)
     out.mkdir(parents=True, exist_ok=True)
+    # gzip's header time fixed: the same runs write the same bytes
+    results.to_csv(out / LM_EVAL_OUTCOMES, index=False,
+                   compression={"method": "gzip", "mtime": 0})
     accuracy = accuracy_table(results)
     accuracy.to_csv(out / "lm_eval_accuracy.csv", index=False)
     drops = capability_drop_table(results)
     drops.to_csv(out / "lm_eval.csv", index=False)
-    return {"lm_eval": out / "lm_eval.csv", "lm_eval_accuracy": out / "lm_eval_accuracy.csv"}
+    return {"lm_eval": out / "lm_eval.csv", "lm_eval_accuracy": out / "lm_eval_accuracy.csv",
+            "lm_eval_outcomes": out / LM_EVAL_OUTCOMES}
 
 
 # the study's tables and plots that findings/real_text/ keeps (tokens.parquet, tens of MB at the

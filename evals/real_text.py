@@ -86,6 +86,9 @@ _TOK = ByteTokenizer()
 OUTPUTS = ("tokens.parquet", "kl_by_position.csv", "kl_by_class.csv", "baselines.csv",
            "kl_by_position.png", "kl_by_class.png", "settings.json")
 DEFAULT_REPLAYS = ("1", "W/2", "W", "2W", "R_exact")
+# a study's lm-eval documents, one row per run and document (`read_lm_eval` of its current
+# runs), beside the tables computed from them
+LM_EVAL_OUTCOMES = "lm_eval_outcomes.csv.gz"
 
 
 # ---- the held-out files, as rows ------------------------------------------------------------
@@ -522,20 +525,84 @@ def run(config: RealTextConfig) -> dict:
         if table is not None:
             tables.append(table)
             forms[checkpoint] = (lengths, g)
-    out.mkdir(parents=True, exist_ok=True)
     fraction = fractions.pop()
     files = validation_files(fraction)[:max_files]
     # every byte at least `context` in is scored once whatever the row length: the same bytes
     data = [d for _, d in files]
     base = baselines(fraction, build_rows(data, row_len, context), data, context)
-    pd.DataFrame([{**m, **base} for m in models]).to_csv(out / "baselines.csv", index=False)
-    written = {"baselines": out / "baselines.csv"}
-    if tables:
-        written |= _write_tables(pd.concat(tables, ignore_index=True), forms, replays,
-                                 resamples, out)
     settings = {"checkpoints": checkpoints, "replays": replays, "continuation": continuation,
                 "passes": passes, "context": context, "row_len": row_len, "dtype": dtype,
-                "resamples": resamples, "max_files": max_files}
+                "resamples": resamples, "max_files": max_files,
+                "forms": {ckpt: {"lengths": lengths, "continuation": g}
+                          for ckpt, (lengths, g) in forms.items()}}
+    return _write_reading(out, pd.DataFrame([{**m, **base} for m in models]), tables, settings,
+                          c)
+
+
+# the settings every reading merged into one must share (`merge_readings`)
+SHARED_SETTINGS = ("replays", "continuation", "passes", "context", "row_len", "dtype",
+                   "max_files")
+
+
+def merge_readings(config: RealTextConfig, readings: list[str]) -> dict:
+    """Readings of one model each (or of several), made on the same held-out bytes with the
+    same settings, as one reading of all their models in `config.out`: the tables and plots
+    `run` would write reading every checkpoint at once (the per job rows pool the models, with
+    seed-level CIs; `config.bootstrap` resamples). So a study reads each model once, in its
+    own folder, and a model added later is read alone. `config.checkpoint`: every checkpoint
+    the readings must hold, in order (a reading of any other, or one missing, is a ValueError);
+    `config.wandb`: one wandb run of the merged reading. Returns the written paths."""
+    settings = [json.loads((Path(r) / "settings.json").read_text()) for r in readings]
+    for name in SHARED_SETTINGS:
+        values = {json.dumps(s.get(name)) for s in settings}
+        if len(values) > 1:
+            raise ValueError(f"readings {list(readings)}: their {name} differ ({sorted(values)})"
+                             f"; merge readings of the same settings only")
+    base = pd.concat([pd.read_csv(Path(r) / "baselines.csv") for r in readings],
+                     ignore_index=True)
+    # a reading names its models by the paths it read; a study directory moved since (or an
+    # archive put back elsewhere) holds them elsewhere now: match a study's model by its job
+    # and seed, any other by its path
+    here = {_identity(ckpt, *job_and_seed(ckpt)): ckpt for ckpt in config.checkpoint}
+    moved = {row.checkpoint: here.get(_identity(row.checkpoint, row.job, row.seed))
+             for row in base.itertuples()}
+    if sorted(map(str, moved.values())) != sorted(config.checkpoint) or len(moved) != len(base):
+        raise ValueError(f"readings {list(readings)}: they read {sorted(moved)}, not each of "
+                         f"--checkpoint {sorted(config.checkpoint)} once")
+    forms = {moved[ckpt]: form for s in settings for ckpt, form in s.get("forms", {}).items()}
+    # the models in --checkpoint's order, as `run` reads them (the bootstrap draws by order)
+    order = {ckpt: i for i, ckpt in enumerate(config.checkpoint)}
+    tables = [pd.read_parquet(Path(r) / "tokens.parquet") for r in readings
+              if (Path(r) / "tokens.parquet").exists()]
+    if tables:
+        table = pd.concat(tables, ignore_index=True)
+        table["checkpoint"] = table["checkpoint"].map(moved)
+        tables = [table.sort_values("checkpoint", key=lambda c: c.map(order), kind="stable")]
+    base["checkpoint"] = base["checkpoint"].map(moved)
+    base = base.sort_values("checkpoint", key=lambda c: c.map(order), kind="stable")
+    merged = {**settings[0], "checkpoints": list(config.checkpoint), "forms": forms,
+              "resamples": config.bootstrap, "readings": [str(r) for r in readings]}
+    return _write_reading(Path(config.out), base.reset_index(drop=True), tables, merged, config)
+
+
+def _identity(checkpoint: str, job: str, seed) -> tuple:
+    """A model as a merge matches it: (job, seed) for a study's training run, else its path."""
+    return ("run", job, int(seed)) if seed is not None and not pd.isna(seed) else \
+        ("path", str(checkpoint))
+
+
+def _write_reading(out: Path, base: pd.DataFrame, tables: list, settings: dict,
+                   c: RealTextConfig) -> dict:
+    """A reading's files: baselines.csv (per model, with the baselines), the tables and plots
+    of the token readings `tables` (one frame per model whose replay was read), settings.json,
+    and the wandb run unless `c.wandb` is off."""
+    out.mkdir(parents=True, exist_ok=True)
+    base.to_csv(out / "baselines.csv", index=False)
+    written = {"baselines": out / "baselines.csv"}
+    forms = {ckpt: (f["lengths"], f["continuation"]) for ckpt, f in settings["forms"].items()}
+    if tables:
+        written |= _write_tables(pd.concat(tables, ignore_index=True), forms,
+                                 settings["replays"], settings["resamples"], out)
     (out / "settings.json").write_text(json.dumps(settings, indent=1))
     if c.wandb:
         _log_wandb(out, settings, written, project=c.wandb_project, group=c.wandb_group)

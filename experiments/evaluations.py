@@ -23,6 +23,10 @@ from .study import config_hash
 from .tools import OVER_MODELS, PER_MODEL, TOOLS, EvaluationTool, JobPlace, Reading, tools
 
 
+# the name `tools=` gives the real_text section's lm-eval runs (not a registered tool)
+LM_EVAL = "lm_eval"
+
+
 def reference_config(configs: list) -> Any:
     """The first of these model configs with a decoder (or the first; None without any): the
     model whose distances every model of a study is read at."""
@@ -84,21 +88,29 @@ class EvaluationSteps:
         self.record(key, "failed", returncode=code, tail=tail, seconds=secs, **failure)
         return False
 
-    def evaluate(self) -> None:
-        """Every registered tool's steps (`run_tool`), in registration order, then lm-eval."""
-        for tool in tools():
-            self.run_tool(tool)
-        self.lm_eval()
+    def selected(self, name: str) -> bool:
+        """Whether the driver's `tools=` lets the tool (or lm_eval) `name` run."""
+        return self.selected_tools is None or name in self.selected_tools
 
-    def tool_steps(self, tool: EvaluationTool) -> tuple[list[dict], str]:
+    def evaluate(self) -> None:
+        """Every registered tool's steps (`run_tool`), in registration order, then lm-eval;
+        only those `tools=` names, if it names any."""
+        for tool in tools():
+            if self.selected(tool.name):
+                self.run_tool(tool)
+        if self.selected(LM_EVAL):
+            self.lm_eval()
+
+    def tool_steps(self, tool: EvaluationTool, all_jobs: bool = False) -> tuple[list[dict], str]:
         """The steps of `tool` as they would run now, or none and why. A per model step
-        reads one trained checkpoint of the `jobs=` jobs (under each of the tool's variants),
+        reads one trained checkpoint of the `jobs=` jobs, or of every job with `all_jobs`
+        (under each of the tool's variants),
         a step over models every trained checkpoint of the study; either only those the tool
         applies to. Each: key, label, run (the training run it reads), out, done, hash,
         inputs (the options, what the tool computes besides, the training hashes), written,
         options, reading."""
         section = self.spec.evaluations[tool.name]
-        checkpoints = self.checkpoints(all_jobs=tool.scope == OVER_MODELS)
+        checkpoints = self.checkpoints(all_jobs=all_jobs or tool.scope == OVER_MODELS)
         configs = {label: load_config(final) for label, (final, _) in checkpoints.items()}
         usable = {label: ckpt for label, ckpt in checkpoints.items()
                   if tool.applies(configs[label])}
@@ -163,6 +175,48 @@ class EvaluationSteps:
             self.record(tool.name, "skipped", reason=why)
         for step in steps:
             self._run_tool_step(tool, step)
+        if tool.merge and steps:
+            self._merge_tool(tool)
+
+    def merge_step(self, tool: EvaluationTool) -> tuple[dict | None, str]:
+        """The merge of a per model tool's steps (`EvaluationTool.merge`) as it would run now,
+        over the steps of every trained model it applies to (every job), or None and why: a
+        step not done with its current inputs (the merge waits for it). Its hash covers
+        theirs; key and folder are the tool's name."""
+        steps, why = self.tool_steps(tool, all_jobs=True)
+        pending = [step["key"] for step in steps if step_decision(step, False)[0] != "skip"]
+        if not steps or pending:
+            return None, why or f"{', '.join(pending)} not done with the current inputs"
+        checkpoints = {label: ckpt for step in steps
+                       for label, ckpt in step["reading"].checkpoints.items()}
+        first = steps[0]["reading"]
+        inputs = {"merges": {step["label"]: step["hash"] for step in steps}}
+        out = self.out / tool.name
+        return {"key": tool.name, "label": tool.name, "out": out, "done": out / tool.done,
+                "hash": config_hash(inputs), "inputs": inputs,
+                "written": steps[0]["written"], "options": steps[0]["options"],
+                "reading": Reading(checkpoints, first.configs, first.reference),
+                "readings": [str(step["out"]) for step in steps]}, ""
+
+    def _merge_tool(self, tool: EvaluationTool) -> None:
+        """The merge step of `tool` (`merge_step`), run as `python -m experiments.job --merge`
+        through `execute`; recorded skipped, with why, while a step it merges is not done."""
+        step, why = self.merge_step(tool)
+        if step is None:
+            print(f"[study] {tool.name}: merge waits: {why}", flush=True)
+            self.record(tool.name, "skipped", reason=why)
+            return
+        out, readings = step["out"], step["readings"]
+        place = JobPlace(out=str(out), checkpoints=step["reading"].paths, wandb=self.wandb,
+                         project=self.project, group=self.group, inputs=tuple(readings),
+                         merges=True)
+        job = tool.job_config(step["options"], place)
+        log = self.out / "logs" / f"{tool.name}_merge.log"
+        self.execute(step, tool.name,
+                     lambda: self.run_job(tool, job, log.with_suffix(".json"), log, readings),
+                     {"checkpoints": place.checkpoints},
+                     title=f"{tool.name}: merge {len(readings)} models",
+                     clear=[out / name for name in tool.cleared()], log=str(log))
 
     def _run_tool_step(self, tool: EvaluationTool, step: dict) -> None:
         """One step of `tool` (`tool_steps`): its config written beside its log, and run as

@@ -1,6 +1,7 @@
-"""`python -m experiments.job KIND CONFIG.json [THREADS] [--module MODULE]`: one evaluation tool
-run on the config the study driver wrote as JSON, in its own process (a crash cannot take the
-driver down).
+"""`python -m experiments.job KIND CONFIG.json [THREADS] [--module MODULE] [--merge]`: one
+evaluation tool run on the config the study driver wrote as JSON, in its own process (a crash
+cannot take the driver down). With --merge, the tool's merge (`EvaluationTool.merge`) runs
+instead: CONFIG.json is {"config": the config's fields, "readings": the folders it merges}.
 
 KIND names a registered evaluation tool (`experiments.tools`: divergence, suite, erf,
 real_text); CONFIG.json holds the fields of its config dataclass, the same fields its command
@@ -27,7 +28,8 @@ from evals.cli import unknown_keys
 
 from .tools import TOOLS, EvaluationTool
 
-USAGE = "usage: python -m experiments.job KIND CONFIG.json [THREADS] [--module MODULE]"
+USAGE = ("usage: python -m experiments.job KIND CONFIG.json [THREADS] [--module MODULE] "
+         "[--merge]")
 
 
 def find_tool(kind: str, module: str | None = None) -> EvaluationTool:
@@ -58,10 +60,28 @@ def load_job(kind: str, raw: dict, module: str | None = None) -> tuple[Any, Call
         raise ValueError(f"{kind} config: {key}: {str(exc).splitlines()[0]}") from None
 
 
-def parse_args(argv: list[str]) -> tuple[list[str], str | None]:
-    """(KIND, CONFIG.json and THREADS as given, the --module value or None); a malformed
-    command line is a ValueError with the usage."""
+def load_merge(kind: str, raw: dict, module: str | None = None) -> tuple[Any, Callable]:
+    """(the config of tool `kind` built from raw["config"], the function that merges
+    raw["readings"] with it: the tool's `merge`); a tool without one, or a JSON without both
+    keys, is a ValueError."""
+    tool = find_tool(kind, module)
+    if not tool.merge:
+        raise ValueError(f"--merge: tool {kind!r} has no merge")
+    if set(raw) != {"config", "readings"}:
+        raise ValueError(f"--merge: CONFIG.json holds config and readings; got {sorted(raw)}")
+    config, _ = load_job(kind, raw["config"], module)
+    merge = getattr(importlib.import_module(tool.module), tool.merge)
+    readings = [str(r) for r in raw["readings"]]
+    return config, lambda cfg: merge(cfg, readings)
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], str | None, bool]:
+    """(KIND, CONFIG.json and THREADS as given, the --module value or None, whether --merge
+    was given); a malformed command line is a ValueError with the usage."""
     args, module = list(argv), None
+    merge = "--merge" in args
+    if merge:
+        args.remove("--merge")
     if "--module" in args:
         at = args.index("--module")
         if at + 1 >= len(args):
@@ -70,7 +90,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], str | None]:
         del args[at:at + 2]
     if len(args) not in (2, 3):
         raise ValueError(USAGE)
-    return args, module
+    return args, module, merge
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,13 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     try:
-        args, module = parse_args(argv)
+        args, module, merge = parse_args(argv)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     kind = args[0]
     try:
-        config, run = load_job(kind, json.loads(Path(args[1]).read_text()), module)
+        raw = json.loads(Path(args[1]).read_text())
+        if merge:
+            config, run = load_merge(kind, raw, module)
+        else:
+            config, run = load_job(kind, raw, module)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .evaluations import LM_EVAL
 from .freshness import step_decision
 from .tools import OVER_MODELS, EvaluationTool, tools
 
@@ -56,10 +57,11 @@ def _plan_evaluations(study, pending: list[str]) -> list[dict]:
     training; the others are decided now, from what is on disk."""
     rows = []
     for tool in tools():
-        if study.spec.evaluations.get(tool.name) is not None:
+        if study.spec.evaluations.get(tool.name) is not None and study.selected(tool.name):
             rows += _plan_tool(study, tool, pending)
     real_text = study.spec.evaluations.get("real_text")
-    if real_text is not None and (real_text.lm_eval_modes or real_text.lm_eval_turn_modes):
+    if real_text is not None and (real_text.lm_eval_modes or real_text.lm_eval_turn_modes) \
+            and study.selected(LM_EVAL):
         if pending:
             rows.append(plan_row("lm_eval", "run", f"after training {', '.join(pending)}"))
         else:
@@ -70,11 +72,16 @@ def _plan_evaluations(study, pending: list[str]) -> list[dict]:
 
 def _plan_tool(study, tool: EvaluationTool, pending: list[str]) -> list[dict]:
     """The steps of one tool: one over every model runs after any pending training; a per
-    model step runs after its own model's."""
+    model step runs after its own model's, and its merge (`EvaluationTool.merge`) after the
+    steps it merges."""
     if tool.scope == OVER_MODELS and pending:
         return [plan_row(tool.name, "run", f"after training {', '.join(pending)}")]
     rows = [] if tool.scope == OVER_MODELS else [
         plan_row(f"{tool.name}/{label}", "run", f"after training {label}") for label in pending]
     steps, why = study.tool_steps(tool)
     rows += [_plan_step(study, step) for step in steps if step["run"] not in pending]
+    if tool.merge and (steps or pending):
+        merge, waits = study.merge_step(tool)
+        rows.append(_plan_step(study, merge) if merge is not None and not pending else
+                    plan_row(tool.name, "run", f"merges them after {waits or 'training'}"))
     return rows or [plan_row(tool.name, "skip", why)]

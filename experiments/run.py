@@ -2,7 +2,7 @@
 
     python -m experiments.run study=<name> [out=DIR] [scale=demo|full] [seeds=[0,1,2]]
                               [threads=2] [wandb=true] [group=G] [on_change=refuse|rerun|continue]
-                              [only=train|eval|report|plan]
+                              [only=train|eval|report|plan] [jobs=[A,B]] [tools=[suite,erf]]
 
 `only=plan` prints the resolved study and what would happen to every step (each training
 run: skip, train, resume, refuse, rerun, continue, reuse; each evaluation: skip, run, rerun; the
@@ -25,7 +25,9 @@ divergence, suite, erf, real_text and any tool registered). Layout of the study 
     suite/<job>/seed<k>[@topk=K]/   evals.suites per checkpoint (and eval-time top-k override)
     erf/<job>/seed<k>/         evals.erf per checkpoint with decoder windows (the study's erf:)
     real_text/                 evals.real_text over every trained checkpoint (data=stdlib
-                               studies: per-byte KL of bounded replay on held-out files)
+                               studies: per-byte KL of bounded replay on held-out files),
+                               merged from real_text/<job>/seed<k>/ (each model read once)
+                               and real_text/lm_eval/<job>/seed<k>/ (lm-eval runs)
     <tool>[/<job>/seed<k>]/    any other registered tool: a folder per model, or one over all
     logs/<step>.log            the full output of every subprocess
     report/                    report.md, report.html, PNG plots (analysis.report)
@@ -67,13 +69,13 @@ from ced.runlock import DirectoryLocked, directory_lock
 from ced.signals import Interrupted, StopSignals, continue_command, stop_point
 from ced.writable import OutputDirError, check_output_dir
 
-from .evaluations import EvaluationSteps
+from .evaluations import LM_EVAL, EvaluationSteps
 from .freshness import STAMP
 from .freshness import read_stamp as _read_stamp
 from .plan import plan_study
 from .steps import ROOT, banner, stream
 from .study import StudyConfig, StudyError, config_hash, load_study
-from .tools import EvaluationTool, tools
+from .tools import TOOLS, EvaluationTool, tools
 from .training_runs import TrainingRuns
 
 CONF_DIR = str(ROOT / "conf")
@@ -98,6 +100,7 @@ class DriverConfig:
     on_change: str = "refuse"
     reuse: Optional[List[str]] = None
     jobs: Optional[List[str]] = None
+    tools: Optional[List[str]] = None
 
     def check(self) -> None:
         if self.study in ("???", "", None):
@@ -163,8 +166,16 @@ class Study(TrainingRuns, EvaluationSteps):
 
     def __init__(self, spec: StudyConfig, out: Path, threads: int, wandb: bool = True,
                  group: str | None = None, project: str = "ced", on_change: str = "refuse",
-                 reuse: list[Path] | None = None, jobs: list[str] | None = None):
+                 reuse: list[Path] | None = None, jobs: list[str] | None = None,
+                 tools: list[str] | None = None):
         self.spec, self.out, self.threads, self.wandb = spec, out, threads, wandb
+        # tools=[...]: run only these evaluation tools (and lm_eval, the real_text section's
+        # lm-eval runs, only if named); None: every one the study has a section for
+        allowed = [*TOOLS, LM_EVAL]
+        if set(tools or []) - set(allowed):
+            raise StudyError(f"tools: no tool(s) {sorted(set(tools) - set(allowed))}; allowed: "
+                             f"{allowed}")
+        self.selected_tools = list(tools) if tools else None
         known = [j.name for j in spec.jobs]
         unknown = sorted(set(jobs or []) - set(known))
         if unknown:
@@ -245,15 +256,17 @@ class Study(TrainingRuns, EvaluationSteps):
         return {label: RunId(job, seed) for job, seed, label in self.runs(all_jobs)}
 
     def run_job(self, tool: EvaluationTool, config: dict, config_file: Path,
-                log: Path) -> tuple[int, str]:
+                log: Path, merge: list[str] | None = None) -> tuple[int, str]:
         """Write `config` (the fields of `tool`'s config dataclass) to `config_file` and run it
         as `python -m experiments.job` in a subprocess, which imports the tool's module (where
-        a tool registered outside `experiments.tools` registers itself); (return code, last
-        lines)."""
+        a tool registered outside `experiments.tools` registers itself); with `merge` (the
+        folders of its steps), the tool's merge of them; (return code, last lines)."""
         config_file.parent.mkdir(parents=True, exist_ok=True)
-        config_file.write_text(json.dumps(config, indent=1))
+        payload = config if merge is None else {"config": config, "readings": merge}
+        config_file.write_text(json.dumps(payload, indent=1))
         return stream([sys.executable, "-m", "experiments.job", tool.name, str(config_file),
-                       str(self.threads), "--module", tool.module], log, self.env)
+                       str(self.threads), "--module", tool.module,
+                       *(["--merge"] if merge is not None else [])], log, self.env)
 
     def run_dir(self, label: str) -> Path:
         return self.out / "runs" / label
@@ -396,7 +409,7 @@ def _run_study(opts: DriverConfig, spec: StudyConfig, out: Path) -> int:
     threads = int(opts.threads or min(os.cpu_count() or 1, 8))
     study = Study(spec, out, threads, wandb=opts.wandb, group=opts.group,
                   project=opts.project, on_change=opts.on_change, reuse=opts.reuse,
-                  jobs=opts.jobs)
+                  jobs=opts.jobs, tools=opts.tools)
     # keep the record of steps this invocation does not redo
     study.repair = opts.only != "plan"
     study.status, study.invocations = earlier_record(out, repair=study.repair)

@@ -83,8 +83,8 @@ class Reading:
 @dataclass(frozen=True)
 class JobPlace:
     """Where one step's job reads (`checkpoints`, as `Reading.paths`; `inputs`, the folders of
-    the steps it reads, `EvaluationTool.reads`, one per checkpoint) and writes (`out`), and the
-    study's W&B settings, for `EvaluationTool.job`."""
+    the steps it reads, `EvaluationTool.reads` or the steps a merge merges, one per
+    checkpoint) and writes (`out`), and the study's W&B settings, for `EvaluationTool.job`."""
 
     out: str
     checkpoints: list[str]
@@ -92,6 +92,7 @@ class JobPlace:
     project: str
     group: str
     inputs: tuple[str, ...] = ()
+    merges: bool = False        # the job is a per model tool's merge (`EvaluationTool.merge`)
 
     def wandb_fields(self) -> dict[str, Any]:
         """The W&B fields of a tool whose config names them wandb, wandb_project, wandb_group."""
@@ -161,6 +162,12 @@ class EvaluationTool:
     # a per model tool registered before this one whose step of the same model (as trained)
     # this one reads; "": none
     reads: str = ""
+    # a per model tool's merge: the name of `module`'s function (config, folders) that writes
+    # into the tool's folder the reading of every trained model it applies to, from their
+    # steps' folders, once each is done; config: the job's config over those models (every
+    # checkpoint, out the tool's folder). Run in the driver, as one more step (the tool's
+    # name) whose hash covers theirs. "": none
+    merge: str = ""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name in DRIVER_FOLDERS:
@@ -172,6 +179,9 @@ class EvaluationTool:
         if self.reads and self.scope != PER_MODEL:
             raise ValueError(f"EvaluationTool.reads: only a per model tool reads another's "
                              f"step of the same model; {self.name!r} is {self.scope!r}")
+        if self.merge and (self.scope != PER_MODEL or self.variants is not one_step):
+            raise ValueError(f"EvaluationTool.merge: only a per model tool of one step a model "
+                             f"merges its steps; {self.name!r} is {self.scope!r}")
 
     def load(self) -> tuple[type, Callable[[Any], Any]]:
         """(its config dataclass, its run function), from its module."""
@@ -242,7 +252,8 @@ class EvaluationTool:
         """The config the job of one step runs (`job`, or its default)."""
         if self.job is not None:
             return self.job(options, place)
-        checkpoint = place.checkpoints[0] if self.scope == PER_MODEL else place.checkpoints
+        one = self.scope == PER_MODEL and not place.merges
+        checkpoint = place.checkpoints[0] if one else place.checkpoints
         return {**options, "checkpoint": checkpoint, "out": place.out}
 
 
@@ -300,14 +311,16 @@ register(EvaluationTool(
     job=lambda options, place: {**options, "checkpoint": place.checkpoints, "out": place.out},
     driven=ERF_DRIVEN, outputs="OUTPUTS", shown=("length",)))
 
+# each model read once, in its own folder (a model added later is read alone), and merged into
+# the study's reading of every model (one wandb run: the merge's)
 register(EvaluationTool(
     name="real_text", module="evals.real_text", config="RealTextConfig", run="run",
-    scope=OVER_MODELS, section=RealTextSpec,
-    options=lambda spec, reading: real_text_options(spec),
+    section=RealTextSpec, options=lambda spec, reading: real_text_options(spec),
     job=lambda options, place: {**options, "checkpoint": place.checkpoints, "out": place.out,
-                                **place.wandb_fields()},
+                                **place.wandb_fields(), "wandb": place.wandb and place.merges},
     driven=("checkpoint", "out", "wandb", "wandb_project", "wandb_group"),
-    done="baselines.csv", outputs="OUTPUTS", stops_between_batches=True, shown=("replays",)))
+    done="baselines.csv", outputs="OUTPUTS", stops_between_batches=True, shown=("replays",),
+    merge="merge_readings"))
 
 register(EvaluationTool(
     name="paths", module="evals.paths", config="PathsConfig", run="run",

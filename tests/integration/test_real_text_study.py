@@ -2,7 +2,8 @@
 tiny byte-level models of the stdlib (ced L_d = 2 and 8, yoco, dense) trained for two steps,
 then the real_text step: every table and plot, the baselines for every model, zero KL for the
 for ced at and beyond R_exact (yoco and dense read for their NLL only); a second run skips
-the step (same inputs), and a stale lm-eval run of a mode no longer asked for is not read."""
+the step (same inputs), a model added later is read alone, and a stale lm-eval run of a mode
+no longer asked for is not read."""
 
 from __future__ import annotations
 
@@ -86,11 +87,76 @@ def test_a_second_run_skips_the_step(study):
     (stale / "mode.txt").write_text("replay=1\n")
     again = run_study(out, "only=eval")
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "real_text: done before with the same inputs" in again.stdout
+    assert "real_text: done before with the same inputs" in again.stdout      # the merge
+    assert "real_text ced_L8/seed0: done before with the same inputs" in again.stdout
     assert "lm_eval tasks ced_L2/seed0: done before with the same inputs" in again.stdout
     assert "lm_eval/ced_L2/seed0/ced_code/replay=W: done before" in again.stdout
     drops = pd.read_csv(out / "real_text" / "lm_eval.csv")
     assert set(drops["mode"]) == {"replay=W"}                 # the stale replay=1 is not read
+
+
+def test_each_model_is_read_once_and_a_model_added_later_is_read_alone(study, tmp_path):
+    """Every model is read in its own folder (real_text/<job>/seed<k>/) and the study's
+    tables are merged from them. A study holding ced_L2 read and ced_L8 trained but unread
+    (`tools=[real_text]`: no lm-eval) reads ced_L8 alone, skips ced_L2, and merges both: each
+    model's own rows equal those of the study that read all four."""
+    out, _ = study
+    for job in ("ced_L2", "ced_L8", "yoco", "dense"):
+        assert (out / "real_text" / job / "seed0" / "baselines.csv").exists(), job
+    grown = tmp_path / "grown"
+    for part in ("runs/ced_L2/seed0", "real_text/ced_L2/seed0", "runs/ced_L8/seed0"):
+        shutil.copytree(out / part, grown / part)
+    again = run_study(grown, "only=eval", "tools=[real_text]")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert "real_text ced_L2/seed0: done before with the same inputs" in again.stdout
+    assert "=== [study] real_text ced_L8/seed0:" in again.stdout
+    assert "=== [study] real_text: merge 2 models ===" in again.stdout
+    assert "lm_eval" not in again.stdout
+    grown_classes = pd.read_csv(grown / "real_text" / "kl_by_class.csv")
+    full_classes = pd.read_csv(out / "real_text" / "kl_by_class.csv")
+    assert sorted(set(grown_classes["job"])) == ["ced_L2", "ced_L8"]
+    mine = grown_classes[grown_classes["level"] == "model"].drop(columns="checkpoint")
+    theirs = full_classes[(full_classes["level"] == "model")
+                          & full_classes["job"].isin(["ced_L2", "ced_L8"])]
+    pd.testing.assert_frame_equal(mine.reset_index(drop=True),
+                                  theirs.drop(columns="checkpoint").reset_index(drop=True))
+    # a tool name the driver does not know is refused, naming the allowed
+    bad = run_study(grown, "only=eval", "tools=[real_txt]")
+    assert bad.returncode != 0 and "tools: no tool(s) ['real_txt']" in bad.stdout + bad.stderr
+
+
+def test_the_archive_keeps_the_models_and_their_readings(study, tmp_path):
+    """`analysis.archive --weights` on a real_text study (no suite): each model's weights,
+    curve and training record, its reading's tables without the per-byte table, the merged
+    tables and every lm-eval document; put back, the driver finds every run trained and
+    reads the models again (their readings' records are not kept)."""
+    out, _ = study
+    into = tmp_path / "archive"
+    done = subprocess.run([sys.executable, "-m", "analysis.archive", "--study", str(out),
+                           "--into", str(into), "--weights"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "4 models" in done.stdout
+    for job in ("ced_L2", "ced_L8", "yoco", "dense"):
+        for name in ("final/model.safetensors", "metrics.jsonl", "study_step.json", "run.json"):
+            assert (into / "runs" / job / "seed0" / name).exists(), (job, name)
+        reading = into / "real_text" / job / "seed0"
+        assert (reading / "baselines.csv").exists() and (reading / "run.json").exists()
+        assert not (reading / "tokens.parquet").exists()
+        assert not (reading / "study_step.json").exists()
+    for name in ("kl_by_class.csv", "kl_by_position.csv", "baselines.csv"):
+        assert (into / "real_text" / name).read_bytes() == (out / "real_text" / name).read_bytes()
+    outcomes = pd.read_csv(into / "real_text" / "lm_eval_outcomes.csv.gz")
+    assert set(zip(outcomes["job"], outcomes["mode"])) == {
+        ("ced_L2", "full"), ("ced_L2", "replay=W"), ("dense", "full")}
+    back = tmp_path / "back"
+    shutil.copytree(into / "runs", back / "runs")
+    plan = run_study(back, "only=plan", "tools=[real_text]")
+    assert plan.returncode == 0, plan.stdout[-2000:]
+    lines = plan.stdout.splitlines()
+    for job in ("ced_L2", "ced_L8", "yoco", "dense"):
+        assert any(f"plan {job}/seed0: SKIP" in line for line in lines), (job, lines)
+        assert any(f"plan real_text/{job}/seed0: RUN" in line for line in lines), (job, lines)
 
 
 def test_the_study_is_published_for_findings(study, tmp_path):

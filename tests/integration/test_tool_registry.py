@@ -157,3 +157,11 @@ def test_a_name_is_registered_once(probe_tool):
                                             run="run"))
     with pytest.raises(ValueError, match="EvaluationTool.name"):
         tools.EvaluationTool(name="logs", module=MODULE, config="ProbeConfig", run="run")
+    # a merge joins one step per model: a tool over models, or of several steps a model, has
+    # nothing to merge
+    with pytest.raises(ValueError, match="EvaluationTool.merge"):
+        tools.EvaluationTool(name="over", module=MODULE, config="ProbeConfig", run="run",
+                             scope=tools.OVER_MODELS, merge="run")
+    with pytest.raises(ValueError, match="EvaluationTool.merge"):
+        tools.EvaluationTool(name="variants", module=MODULE, config="ProbeConfig", run="run",
+                             variants=lambda section, own: [{}, {"topk": 2}], merge="run")

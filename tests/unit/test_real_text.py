@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import shutil
 import time
 
 import numpy as np
@@ -300,6 +301,59 @@ def test_cli_end_to_end(tmp_path, capsys, monkeypatch):
     assert real_text.main(["--checkpoint", str(run / "final"), "--out", str(tmp_path / "z"),
                            "--context", "10"]) == 2
     assert "--context: 10 is shorter than R_exact + G = 7 + 4" in capsys.readouterr().err
+
+
+def _stdlib_run(root, job: str, cfg, seed: int):
+    """A model saved as a data=stdlib training run's final/ (its config.yaml beside it)."""
+    run = root / "runs" / job / f"seed{seed}"
+    save_model(make_model(cfg, seed).float(), run / "final")
+    (run / "config.yaml").write_text("data:\n  kind: stdlib\n  validation_fraction: 0.05\n")
+    return str(run / "final")
+
+
+def test_readings_of_one_model_each_merge_into_the_reading_of_all(tmp_path):
+    """Every model read alone, then merged (`merge_readings`), writes the same tables as one
+    reading of every model: per model rows, the per job rows pooled over its seeds (the same
+    bootstrap draws), the positions and the baselines, for two seeds of one ced job, another
+    ced geometry and a dense model read for its NLL only. Readings of other settings, or of
+    models other than those named, are refused."""
+    import pandas as pd
+    ced = tiny_config(n_decoder_layers=2, window=4, topk=4, max_seq_len=128, vocab_size=259)
+    wide = tiny_config(n_decoder_layers=1, window=6, topk=4, max_seq_len=128, vocab_size=259)
+    models = [_stdlib_run(tmp_path, "ced", ced, 0), _stdlib_run(tmp_path, "ced", ced, 1),
+              _stdlib_run(tmp_path, "wide", wide, 0),
+              _stdlib_run(tmp_path, "dense", tiny_config("dense", max_seq_len=128,
+                                                         vocab_size=259), 0)]
+    # two passes over one file in rows of 128, float32 (merging is exact in any dtype):
+    # seconds a model
+    settings = dict(replays=["1", "W", "R_exact"], max_files=1, row_len=128, context=16,
+                    passes=2, bootstrap=40, dtype="float32", wandb=False)
+    real_text.run(real_text.RealTextConfig(checkpoint=models, out=str(tmp_path / "all"),
+                                           **settings))
+    # readings of one model or of several, in any order
+    parts = [[models[3], models[1]], [models[0]], [models[2]]]
+    alone = [str(tmp_path / f"part{i}") for i in range(len(parts))]
+    for part, out in zip(parts, alone):
+        real_text.run(real_text.RealTextConfig(checkpoint=part, out=out, **settings))
+    merged = tmp_path / "merged"
+    real_text.merge_readings(real_text.RealTextConfig(checkpoint=models, out=str(merged),
+                                                      **settings), alone)
+    for name in ("kl_by_class.csv", "kl_by_position.csv", "baselines.csv"):
+        expected = pd.read_csv(tmp_path / "all" / name)
+        pd.testing.assert_frame_equal(pd.read_csv(merged / name), expected, check_exact=True)
+    assert set(pd.read_csv(merged / "kl_by_class.csv")["level"]) == {"model", "seeds"}
+    assert (merged / "kl_by_position.png").exists()
+    with pytest.raises(ValueError, match="not each of --checkpoint"):
+        real_text.merge_readings(real_text.RealTextConfig(
+            checkpoint=models[:2], out=str(tmp_path / "m2"), **settings), alone)
+    # a reading made with other replays
+    shutil.copytree(alone[2], tmp_path / "other")
+    other = json.loads((tmp_path / "other" / "settings.json").read_text())
+    (tmp_path / "other" / "settings.json").write_text(json.dumps({**other, "replays": ["W"]}))
+    with pytest.raises(ValueError, match="their replays differ"):
+        real_text.merge_readings(real_text.RealTextConfig(
+            checkpoint=models, out=str(tmp_path / "m3"), **settings),
+            [*alone[:2], str(tmp_path / "other")])
 
 
 # ---- the lm-eval code tasks (evals.lmeval.code_tasks) ---------------------------------------
