@@ -27,9 +27,10 @@ of `analysis.findings` and `analysis.depth` need, as a skeleton study directory:
                                        step times, merged over every archived study directory
     real_text/<job>/seed<k>/           a real-text reading's tables per model (the driver's
                                        `real_text:` step; not tokens.parquet), real_text/ the
-                                       merged tables of every model and lm_eval_outcomes.csv.gz
-                                       (every lm-eval document of every run: job, seed, mode,
-                                       family, distance bin, id, correct)
+                                       merged tables of every model, lm-eval's tables and
+                                       lm_eval_outcomes.csv.gz (the lm-eval documents of the
+                                       study's current runs: job, train_seed, mode, family,
+                                       distance bin x, id, correct, distance, file)
     erf_shares.csv                     per model its decoder influence beyond W and 2W, from
                                        the study's erf/<job>/seed<k>/ (the driver's `erf:`
                                        step) and from any --erf directory
@@ -66,6 +67,7 @@ WEIGHT_FILES = ("final/model.safetensors", "final/config.json", "metrics.jsonl")
 FULL = "full"
 # what the archive keeps of a real-text reading (per model and merged)
 READING_FILES = ("kl_by_position.csv", "kl_by_class.csv", "baselines.csv", "settings.json")
+LM_EVAL_FILES = ("lm_eval.csv", "lm_eval_accuracy.csv", LM_EVAL_OUTCOMES)
 
 
 def cells_of(results: pd.DataFrame) -> pd.DataFrame:
@@ -176,9 +178,11 @@ def archive_real_text(study: Path, into: Path, weights: bool = False) -> list[st
                 shutil.copy(folder / name, target / name)
         archive_run(study, into, run_id, weights)
         done.append(run_id.label)
-    for name in (*READING_FILES, LM_EVAL_OUTCOMES) if (root / "baselines.csv").exists() else ():
-        if (root / name).exists():
-            shutil.copy(root / name, into / "real_text" / name)
+    if (root / "baselines.csv").exists():        # the merged reading, and lm-eval's tables
+        (into / "real_text").mkdir(parents=True, exist_ok=True)
+        for name in (*READING_FILES, *LM_EVAL_FILES):
+            if (root / name).exists():
+                shutil.copy(root / name, into / "real_text" / name)
     return done
 
 

@@ -364,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "(default deepseek_v41_flash: W = 128, R_exact = 2541)"))
     parser.add_argument("--jobs", nargs="+", metavar="JOB",
                         help="fit only these cells (default: every job of the table)")
-    parser.add_argument("--pool", nargs="*", default=[], metavar="CELL=A,B", help=(
-        "jobs read as one cell (distinct seeds), named CELL in --jobs and the tables"))
+    tables.add_pool_option(parser, "named CELL in --jobs and the tables")
     args = parser.parse_args(argv)
     try:
         written = write(args.models, args.out, args.resamples, args.alpha,

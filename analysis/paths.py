@@ -296,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archive", default=None, help=(
         f"also write the rows it reads, compressed, as DIR/{ARCHIVED_ROWS} (a study's "
         "archive: --paths can read it back)"))
-    parser.add_argument("--pool", nargs="*", default=[], metavar="CELL=A,B", help=(
-        "jobs read as one cell's models, a row of paths_cells.csv after the jobs' own "
-        "(distinct seeds; analysis.reach --pool)"))
+    tables.add_pool_option(parser, "a row of paths_cells.csv after the jobs' own")
     args = parser.parse_args(argv)
     try:
         pools = tables.parse_pools(args.pool)

@@ -438,9 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs="*", default=[], metavar="A:B", help=(
         "job pairs compared in steps.csv beside each job against the next, e.g. "
         "R0_base:R0_shift0"))
-    parser.add_argument("--pool", nargs="*", default=[], metavar="CELL=A,B", help=(
-        "jobs read as one cell's models, a row of cells.csv after the jobs' own, e.g. "
-        "E8_L8_s2500_all=E8_L8_s2500,E8_L8_s2500_fp32 (distinct seeds, the same W and R_exact)"))
+    tables.add_pool_option(parser, "a row of cells.csv after the jobs' own")
     args = parser.parse_args(argv)
     erf = Path(args.erf) if args.erf else None
     try:

@@ -547,6 +547,14 @@ def write_seed_t(findings_dir: Path) -> dict[str, Path]:
     return {"seed_level": out}
 
 
+def add_pool_option(parser, where: str) -> None:
+    """The `--pool CELL=A,B` option of an analysis that reads cells (`parse_pools` reads its
+    items); `where`: where the pooled cell shows in that analysis's output."""
+    parser.add_argument("--pool", nargs="*", default=[], metavar="CELL=A,B", help=(
+        "jobs read as one cell's models (distinct seeds, the same W and R_exact, e.g. an fp32 "
+        f"model joining a bf16 cell's other seeds), {where}"))
+
+
 def parse_pools(items: list[str]) -> dict[str, list[str]]:
     """`--pool CELL=JOB_A,JOB_B` items -> {cell: [jobs]}: jobs read as one cell's models (a
     recipe trained in two precisions on different seeds). A malformed item, a cell named twice

@@ -48,10 +48,17 @@ Writes into --out:
                      the baselines) and `xz -9` on the same files (`xz_nll`: as one stream,
                      and per file on the bytes after the context)
   kl_by_position.png, kl_by_class.png
+  settings.json      the reading's settings, its held-out files (validation_fraction and a
+                     digest of their paths and bytes) and each model's replay forms
+
+`merge_readings` writes the same files from readings of a few models each (made with the same
+settings on the same held-out files), as one reading of all of them: a study reads each model
+once, in its own folder, and merges (`experiments.tools`: the `real_text` tool's merge).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 import math
@@ -92,6 +99,16 @@ LM_EVAL_OUTCOMES = "lm_eval_outcomes.csv.gz"
 
 
 # ---- the held-out files, as rows ------------------------------------------------------------
+
+def held_out_digest(files: list[tuple[str, bytes]]) -> str:
+    """A digest of the held-out files read (their paths and bytes): readings of the same
+    bytes, and only those, share it (the files come from the local Python's stdlib)."""
+    digest = hashlib.sha256()
+    for rel, data in files:
+        digest.update(f"{rel}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
 
 def validation_files(fraction: float = 0.05) -> list[tuple[str, bytes]]:
     """(relative path, bytes) of every stdlib file in the validation split of `data=stdlib`
@@ -533,15 +550,18 @@ def run(config: RealTextConfig) -> dict:
     settings = {"checkpoints": checkpoints, "replays": replays, "continuation": continuation,
                 "passes": passes, "context": context, "row_len": row_len, "dtype": dtype,
                 "resamples": resamples, "max_files": max_files,
+                "validation_fraction": fraction, "held_out": held_out_digest(files),
                 "forms": {ckpt: {"lengths": lengths, "continuation": g}
                           for ckpt, (lengths, g) in forms.items()}}
     return _write_reading(out, pd.DataFrame([{**m, **base} for m in models]), tables, settings,
                           c)
 
 
-# the settings every reading merged into one must share (`merge_readings`)
+# the settings every reading merged into one must share (`merge_readings`); the held-out
+# files (their split and digest) must agree among the readings that record them
 SHARED_SETTINGS = ("replays", "continuation", "passes", "context", "row_len", "dtype",
                    "max_files")
+HELD_OUT = ("validation_fraction", "held_out")
 
 
 def merge_readings(config: RealTextConfig, readings: list[str]) -> dict:
@@ -552,13 +572,9 @@ def merge_readings(config: RealTextConfig, readings: list[str]) -> dict:
     own folder, and a model added later is read alone. `config.checkpoint`: every checkpoint
     the readings must hold, in order (a reading of any other, or one missing, is a ValueError);
     `config.wandb`: one wandb run of the merged reading. Returns the written paths."""
-    settings = [json.loads((Path(r) / "settings.json").read_text()) for r in readings]
-    for name in SHARED_SETTINGS:
-        values = {json.dumps(s.get(name)) for s in settings}
-        if len(values) > 1:
-            raise ValueError(f"readings {list(readings)}: their {name} differ ({sorted(values)})"
-                             f"; merge readings of the same settings only")
-    base = pd.concat([pd.read_csv(Path(r) / "baselines.csv") for r in readings],
+    settings = _mergeable_settings(readings)
+    base = pd.concat([pd.read_csv(Path(r) / "baselines.csv", float_precision="round_trip",
+                                  dtype={"checkpoint": str, "job": str}) for r in readings],
                      ignore_index=True)
     # a reading names its models by the paths it read; a study directory moved since (or an
     # archive put back elsewhere) holds them elsewhere now: match a study's model by its job
@@ -577,12 +593,36 @@ def merge_readings(config: RealTextConfig, readings: list[str]) -> dict:
     if tables:
         table = pd.concat(tables, ignore_index=True)
         table["checkpoint"] = table["checkpoint"].map(moved)
+    unread = sorted(set(forms) - (set(table["checkpoint"]) if tables else set()))
+    if unread:
+        raise ValueError(f"readings {list(readings)}: no tokens.parquet rows of {unread}, "
+                         "whose replay they read; read those models again")
+    if tables:
         tables = [table.sort_values("checkpoint", key=lambda c: c.map(order), kind="stable")]
     base["checkpoint"] = base["checkpoint"].map(moved)
     base = base.sort_values("checkpoint", key=lambda c: c.map(order), kind="stable")
-    merged = {**settings[0], "checkpoints": list(config.checkpoint), "forms": forms,
-              "resamples": config.bootstrap, "readings": [str(r) for r in readings]}
+    held_out = {name: s[name] for s in settings for name in HELD_OUT if name in s}
+    merged = {**settings[0], **held_out, "checkpoints": list(config.checkpoint),
+              "forms": forms, "resamples": config.bootstrap,
+              "readings": [str(r) for r in readings]}
     return _write_reading(Path(config.out), base.reset_index(drop=True), tables, merged, config)
+
+
+def _mergeable_settings(readings: list[str]) -> list[dict]:
+    """Each reading's settings.json, refused (ValueError) unless they share `SHARED_SETTINGS`
+    and, among those that record them, the held-out files (`HELD_OUT`: a reading made before
+    they were recorded is taken as it stands), and each records its models' replay forms."""
+    settings = [json.loads((Path(r) / "settings.json").read_text()) for r in readings]
+    for name in (*SHARED_SETTINGS, *HELD_OUT):
+        values = {json.dumps(s.get(name)) for s in settings
+                  if name in SHARED_SETTINGS or name in s}
+        if len(values) > 1:
+            raise ValueError(f"readings {list(readings)}: their {name} differ ({sorted(values)})"
+                             f"; merge readings of the same settings and held-out files only")
+    if without := [r for r, s in zip(readings, settings) if "forms" not in s]:
+        raise ValueError(f"readings {without}: no forms in settings.json (read before "
+                         "readings could be merged); read those models again")
+    return settings
 
 
 def _identity(checkpoint: str, job: str, seed) -> tuple:

@@ -178,15 +178,15 @@ class EvaluationSteps:
         if tool.merge and steps:
             self._merge_tool(tool)
 
-    def merge_step(self, tool: EvaluationTool) -> tuple[dict | None, str]:
+    def merge_step(self, tool: EvaluationTool) -> tuple[dict | None, list[str], str]:
         """The merge of a per model tool's steps (`EvaluationTool.merge`) as it would run now,
-        over the steps of every trained model it applies to (every job), or None and why: a
-        step not done with its current inputs (the merge waits for it). Its hash covers
-        theirs; key and folder are the tool's name."""
+        over the steps of every trained model it applies to (every job); or None, the keys of
+        the steps not done with their current inputs (the merge waits for them) and why. Its
+        hash covers theirs; key and folder are the tool's name."""
         steps, why = self.tool_steps(tool, all_jobs=True)
         pending = [step["key"] for step in steps if step_decision(step, False)[0] != "skip"]
         if not steps or pending:
-            return None, why or f"{', '.join(pending)} not done with the current inputs"
+            return None, pending, why or f"{', '.join(pending)} not done with the current inputs"
         checkpoints = {label: ckpt for step in steps
                        for label, ckpt in step["reading"].checkpoints.items()}
         first = steps[0]["reading"]
@@ -196,13 +196,17 @@ class EvaluationSteps:
                 "hash": config_hash(inputs), "inputs": inputs,
                 "written": steps[0]["written"], "options": steps[0]["options"],
                 "reading": Reading(checkpoints, first.configs, first.reference),
-                "readings": [str(step["out"]) for step in steps]}, ""
+                "readings": [str(step["out"]) for step in steps]}, [], ""
 
     def _merge_tool(self, tool: EvaluationTool) -> None:
         """The merge step of `tool` (`merge_step`), run as `python -m experiments.job --merge`
-        through `execute`; recorded skipped, with why, while a step it merges is not done."""
-        step, why = self.merge_step(tool)
+        through `execute`; while a step it merges is not done, recorded skipped with why, and
+        the merged files of an earlier merge removed (they no longer cover every model)."""
+        step, _, why = self.merge_step(tool)
         if step is None:
+            out = self.out / tool.name
+            for path in (out / STAMP, *(out / name for name in tool.cleared())):
+                path.unlink(missing_ok=True)
             print(f"[study] {tool.name}: merge waits: {why}", flush=True)
             self.record(tool.name, "skipped", reason=why)
             return

@@ -67,8 +67,10 @@ def load_merge(kind: str, raw: dict, module: str | None = None) -> tuple[Any, Ca
     tool = find_tool(kind, module)
     if not tool.merge:
         raise ValueError(f"--merge: tool {kind!r} has no merge")
-    if set(raw) != {"config", "readings"}:
-        raise ValueError(f"--merge: CONFIG.json holds config and readings; got {sorted(raw)}")
+    if not (isinstance(raw, dict) and set(raw) == {"config", "readings"}
+            and isinstance(raw["readings"], list)):
+        raise ValueError("--merge: CONFIG.json holds {\"config\": {...}, \"readings\": "
+                         f"[folders]}}; got {str(raw)[:200]}")
     config, _ = load_job(kind, raw["config"], module)
     merge = getattr(importlib.import_module(tool.module), tool.merge)
     readings = [str(r) for r in raw["readings"]]

@@ -81,7 +81,19 @@ def _plan_tool(study, tool: EvaluationTool, pending: list[str]) -> list[dict]:
     steps, why = study.tool_steps(tool)
     rows += [_plan_step(study, step) for step in steps if step["run"] not in pending]
     if tool.merge and (steps or pending):
-        merge, waits = study.merge_step(tool)
-        rows.append(_plan_step(study, merge) if merge is not None and not pending else
-                    plan_row(tool.name, "run", f"merges them after {waits or 'training'}"))
+        rows.append(_plan_merge(study, tool, steps, pending))
     return rows or [plan_row(tool.name, "skip", why)]
+
+
+def _plan_merge(study, tool: EvaluationTool, steps: list[dict], pending: list[str]) -> dict:
+    """The merge of a per model tool (`EvaluationTool.merge`): decided now when its steps are
+    done; else it runs after this invocation's steps and training, or waits (skipped) for a
+    step this invocation does not run (a job outside `jobs=`)."""
+    merge, waiting, _ = study.merge_step(tool)
+    if merge is not None and not pending:
+        return _plan_step(study, merge)
+    runs_now = {step["key"] for step in steps} | {f"{tool.name}/{label}" for label in pending}
+    if set(waiting) <= runs_now:
+        return plan_row(tool.name, "run", "merges the steps above once they are done")
+    return plan_row(tool.name, "skip", f"waits: {', '.join(sorted(set(waiting) - runs_now))} "
+                                       "not done and not run by this invocation")

@@ -172,6 +172,8 @@ class Study(TrainingRuns, EvaluationSteps):
         # tools=[...]: run only these evaluation tools (and lm_eval, the real_text section's
         # lm-eval runs, only if named); None: every one the study has a section for
         allowed = [*TOOLS, LM_EVAL]
+        if tools is not None and not tools:
+            raise StudyError("tools: name at least one tool, or leave it null for every one")
         if set(tools or []) - set(allowed):
             raise StudyError(f"tools: no tool(s) {sorted(set(tools) - set(allowed))}; allowed: "
                              f"{allowed}")

@@ -18,13 +18,16 @@ Its registration, an `EvaluationTool` handed to `register`, is all the driver ne
 - the per model tool whose step of the same model it reads, if any (`reads`: `paths` reads the
   documents of the model's `suite` step): that step's folder reaches the job (`JobPlace.inputs`),
   its hash is part of this step's, and this step waits until that one is done.
+- a per model tool's merge, if any (`merge`: `real_text` merges its models' readings into the
+  study's tables): one more step, run once every model's step is done, whose hash covers theirs.
 
 The driver runs every registered tool in registration order through one loop
-(`experiments.evaluations.EvaluationSteps.evaluate`); `only=plan` lists their steps in the same
-order. Built in: divergence, suite, erf, real_text, paths. lm-eval is not a registered tool: it reads
-the real_text section through lm-eval's own command line in two stages (a code-tasks step per
+(`experiments.evaluations.EvaluationSteps.evaluate`; the driver's `tools=` picks some);
+`only=plan` lists their steps in the same order. Built in: divergence, suite, erf, real_text
+(per model, with a merge: `merge`), paths. lm-eval is not a registered tool: it reads the
+real_text section through lm-eval's own command line in two stages (a code-tasks step per
 model, then a run per model and mode), which would need hooks no other tool has; it stays a
-sub-step of real_text (`EvaluationSteps.lm_eval`).
+sub-step of real_text (`EvaluationSteps.lm_eval`; `tools=` calls it lm_eval).
 
 The job runs in its own process, which imports this module (the built-ins) and the tool's
 module by name (`module`, importable there: on PYTHONPATH). A tool registered outside this
@@ -181,7 +184,8 @@ class EvaluationTool:
                              f"step of the same model; {self.name!r} is {self.scope!r}")
         if self.merge and (self.scope != PER_MODEL or self.variants is not one_step):
             raise ValueError(f"EvaluationTool.merge: only a per model tool of one step a model "
-                             f"merges its steps; {self.name!r} is {self.scope!r}")
+                             f"(no variants) merges its steps; {self.name!r} is {self.scope!r}"
+                             f"{'' if self.variants is one_step else ' with variants'}")
 
     def load(self) -> tuple[type, Callable[[Any], Any]]:
         """(its config dataclass, its run function), from its module."""

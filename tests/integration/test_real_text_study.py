@@ -120,9 +120,20 @@ def test_each_model_is_read_once_and_a_model_added_later_is_read_alone(study, tm
                           & full_classes["job"].isin(["ced_L2", "ced_L8"])]
     pd.testing.assert_frame_equal(mine.reset_index(drop=True),
                                   theirs.drop(columns="checkpoint").reset_index(drop=True))
-    # a tool name the driver does not know is refused, naming the allowed
+    # a model trained and not read, outside jobs=: the merge waits, and the merged tables of
+    # two models, which no longer cover every model, are removed
+    shutil.copytree(out / "runs" / "yoco" / "seed0", grown / "runs" / "yoco" / "seed0")
+    plan = run_study(grown, "only=plan", "tools=[real_text]", "jobs=[ced_L2]")
+    assert "plan real_text: SKIP - waits: real_text/yoco/seed0 not done" in plan.stdout
+    waits = run_study(grown, "only=eval", "tools=[real_text]", "jobs=[ced_L2]")
+    assert "real_text: merge waits: real_text/yoco/seed0" in waits.stdout
+    assert not (grown / "real_text" / "kl_by_class.csv").exists()
+    assert (grown / "real_text" / "ced_L8" / "seed0" / "kl_by_class.csv").exists()
+    # a tool name the driver does not know is refused, naming the allowed; so is tools=[]
     bad = run_study(grown, "only=eval", "tools=[real_txt]")
     assert bad.returncode != 0 and "tools: no tool(s) ['real_txt']" in bad.stdout + bad.stderr
+    bad = run_study(grown, "only=eval", "tools=[]")
+    assert bad.returncode != 0 and "tools: name at least one tool" in bad.stdout + bad.stderr
 
 
 def test_the_archive_keeps_the_models_and_their_readings(study, tmp_path):

@@ -349,10 +349,27 @@ def test_readings_of_one_model_each_merge_into_the_reading_of_all(tmp_path):
     # a reading made with other replays
     shutil.copytree(alone[2], tmp_path / "other")
     other = json.loads((tmp_path / "other" / "settings.json").read_text())
+    assert len(other["held_out"]) == 16 and other["validation_fraction"] == 0.05
     (tmp_path / "other" / "settings.json").write_text(json.dumps({**other, "replays": ["W"]}))
     with pytest.raises(ValueError, match="their replays differ"):
         real_text.merge_readings(real_text.RealTextConfig(
             checkpoint=models, out=str(tmp_path / "m3"), **settings),
+            [*alone[:2], str(tmp_path / "other")])
+    # readings of other held-out files (another stdlib), of no recorded forms, or that lost
+    # the per-byte rows of a model whose replay they read are refused too
+    for change, error in (({"held_out": "0" * 16}, "their held_out differ"),
+                          ({"forms": None}, "no forms in settings.json")):
+        edited = {key: value for key, value in {**other, **change}.items() if value is not None}
+        (tmp_path / "other" / "settings.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=error):
+            real_text.merge_readings(real_text.RealTextConfig(
+                checkpoint=models, out=str(tmp_path / "m4"), **settings),
+                [*alone[:2], str(tmp_path / "other")])
+    (tmp_path / "other" / "settings.json").write_text(json.dumps(other))
+    (tmp_path / "other" / "tokens.parquet").unlink()
+    with pytest.raises(ValueError, match="no tokens.parquet rows of"):
+        real_text.merge_readings(real_text.RealTextConfig(
+            checkpoint=models, out=str(tmp_path / "m5"), **settings),
             [*alone[:2], str(tmp_path / "other")])
 
 
