@@ -4,12 +4,16 @@
         --study findings/real_text/archive --out /tmp/decay [--floor 1e-9] [--resamples 2000] \
         [--kl-by-class findings/real_text/kl_by_class.csv [--bar 0.001] [--to-window 128]]
 
+(several readings at once: a kl_by_position.csv and kl_by_class.csv each, and each study's
+directory or archive in --study, e.g. real_text_law's and real_text's for the encoder's effect
+at L_d = 8.)
+
 Reads one or more `kl_by_position.csv` of `evals.real_text` (per checkpoint and distance d: the
 mean KL(exact || replay) of the bytes whose decoder windows are cut d bytes back, i.e. the cost
 of a replay of N = d). Each checkpoint's W, L_d, L_e and R_exact come from its config
 (`ced.checkpoint.load_config` of the checkpoint directory; where that directory is gone, of
-`--study`'s runs/<job>/seed<k>/final, as `analysis.report.load_runs` finds them: a study
-directory or its archive), its job and seed from its path (`ced.tracking.job_and_seed`).
+`--study`'s runs/<job>/seed<k>/final, as `analysis.report.load_runs` finds them: study
+directories or their archives), its job and seed from its path (`ced.tracking.job_and_seed`).
 
 Per model, least squares of log kl_mean(d) = log A - (d - W) / tau over the distances
 W <= d < R_exact whose kl_mean is above `--floor` (below W the first window is cut too; from
@@ -274,17 +278,43 @@ def compare_laws(frame: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05
     return pd.DataFrame(rows), errors
 
 
-def read_classes(path: Path) -> pd.DataFrame:
-    """The per-model rows over every scored byte (level model, group all) of evals.real_text's
-    kl_by_class.csv (rows: checkpoint x replay); a missing column is a ValueError."""
-    table = pd.read_csv(path)
-    missing = [c for c in CLASS_REQUIRED if c not in table]
-    if missing:
-        raise ValueError(f"{path}: no column(s) {missing} (evals.real_text's kl_by_class.csv "
-                         f"has {list(CLASS_REQUIRED)})")
-    table = table[(table["level"] == "model") & (table["group"] == "all")]
-    return table.assign(checkpoint=table["checkpoint"].astype(str),
-                        replay=table["replay"].astype(str))
+def read_classes(paths: list[Path]) -> pd.DataFrame:
+    """The per-model rows over every scored byte (level model, group all) of one or more of
+    evals.real_text's kl_by_class.csv (rows: checkpoint x replay); a missing column, or a
+    (checkpoint, replay) given twice, is a ValueError."""
+    parts = []
+    for path in paths:
+        table = pd.read_csv(path)
+        missing = [c for c in CLASS_REQUIRED if c not in table]
+        if missing:
+            raise ValueError(f"{path}: no column(s) {missing} (evals.real_text's "
+                             f"kl_by_class.csv has {list(CLASS_REQUIRED)})")
+        table = table[(table["level"] == "model") & (table["group"] == "all")]
+        parts.append(table.assign(checkpoint=table["checkpoint"].astype(str),
+                                  replay=table["replay"].astype(str)))
+    table = pd.concat(parts, ignore_index=True)
+    twice = table.duplicated(["checkpoint", "replay"])
+    if twice.any():
+        row = table[twice].iloc[0]
+        raise ValueError(f"--kl-by-class: checkpoint {row['checkpoint']} replay {row['replay']} "
+                         "given twice (the same model in two tables?)")
+    return table
+
+
+def runs_of(studies: list[Path]) -> dict | None:
+    """The runs of every study directory or archive (`load_runs`), as one dict by
+    `<job>/seed<k>`; None for none. A run label in two of them is a ValueError (the geometry
+    of its checkpoints would be ambiguous)."""
+    if not studies:
+        return None
+    runs: dict = {}
+    for study in studies:
+        found = load_runs(study)
+        if clash := sorted(set(found) & set(runs)):
+            raise ValueError(f"--study: run(s) {clash} in more than one study; read studies "
+                             "whose jobs differ")
+        runs |= found
+    return runs
 
 
 def replay_table(classes: pd.DataFrame, models: pd.DataFrame, bar: float = BAR,
@@ -450,28 +480,29 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
     return "\n".join(md) + "\n"
 
 
-def n_star_tables(classes_path: Path, models: pd.DataFrame, cells: pd.DataFrame, bar: float,
-                  window: int, resamples: int, alpha: float) -> tuple:
+def n_star_tables(classes_paths: list[Path], models: pd.DataFrame, cells: pd.DataFrame,
+                  bar: float, window: int, resamples: int, alpha: float) -> tuple:
     """(replays, extrapolation) of `replay_table` and `extrapolate`; adds n_star_text and
     n_star_text_over_W to `cells` in place."""
-    replays = replay_table(read_classes(classes_path), models, bar, alpha)
+    replays = replay_table(read_classes(classes_paths), models, bar, alpha)
     found = n_star_text(replays)
     cells["n_star_text"] = cells["job"].map(found)
     cells["n_star_text_over_W"] = cells["n_star_text"] / cells["W"]
     return replays, extrapolate(models, window, bar, resamples, alpha)
 
 
-def write(sources: list[Path], out: Path, study: Path | None = None, floor: float = FLOOR,
-          resamples: int = 2000, alpha: float = 0.05, classes: Path | None = None,
+def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float = FLOOR,
+          resamples: int = 2000, alpha: float = 0.05, classes: list[Path] = (),
           bar: float = BAR, window: int = V41_WINDOW) -> tuple[dict, str | None]:
-    """Every output into `out`: ({name: path}, the laws' refusal or None). `classes`: the
-    reading's kl_by_class.csv, for N*_text and its extrapolation to `window`."""
+    """Every output into `out`: ({name: path}, the laws' refusal or None). `studies`: study
+    directories or archives whose runs give the geometry of checkpoints that are gone;
+    `classes`: the readings' kl_by_class.csv, for N*_text and its extrapolation to `window`."""
     table = read_tables(sources)
-    runs = load_runs(study) if study is not None else None
+    runs = runs_of(list(studies))
     models = fit_models(table, runs, floor)
     cells = cell_table(models, resamples, alpha)
-    n_star = (n_star_tables(classes, models, cells, bar, window, resamples, alpha)
-              if classes is not None else None)
+    n_star = (n_star_tables(list(classes), models, cells, bar, window, resamples, alpha)
+              if classes else None)
     laws, refusal = None, None
     try:
         laws, _ = compare_laws(law_frame(models), resamples, alpha)
@@ -502,13 +533,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kl-by-position", required=True, nargs="+", type=Path,
                         help="evals.real_text's kl_by_position.csv (one or more)")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--study", type=Path, default=None, help=(
-        "a study directory or its archive (runs/<job>/seed<k>/final/config.json), for "
-        "checkpoints whose directory is gone"))
+    parser.add_argument("--study", type=Path, nargs="+", default=[], help=(
+        "study directories or archives (runs/<job>/seed<k>/final/config.json), for "
+        "checkpoints whose directory is gone (several: studies of different jobs, e.g. "
+        "real_text_law and real_text for the encoder's effect)"))
     parser.add_argument("--floor", type=float, default=FLOOR,
                         help=f"mean KL at or below this is rounding (default {FLOOR:g})")
-    parser.add_argument("--kl-by-class", type=Path, default=None, help=(
-        "the same reading's kl_by_class.csv: N*_text per cell and its extrapolation"))
+    parser.add_argument("--kl-by-class", type=Path, nargs="+", default=[], help=(
+        "the same readings' kl_by_class.csv (one or more): N*_text per cell and its "
+        "extrapolation"))
     parser.add_argument("--bar", type=float, default=BAR, help=(
         f"the relative change of perplexity N*_text allows (default {BAR:g}: 0.1%%)"))
     parser.add_argument("--to-window", type=int, default=V41_WINDOW, help=(

@@ -264,3 +264,32 @@ def test_the_cli_writes_n_star_text_beside_the_fits(tmp_path):
     assert len(pd.read_csv(out / "decay_replays.csv")) == 3 * 4
     assert "N*_text extrapolated to W = 64" in (out / "decay.md").read_text()
     assert decay.main([*args, "--bar", "2"]) == 2
+
+
+def test_two_studies_read_as_one(tmp_path):
+    """Readings of two studies (their checkpoints gone: geometry from each study's runs/) fit
+    as one: the cells of both in decay_cells.csv and N*_text from both kl_by_class.csv; the
+    same run label in both studies, or a model in both class tables, is refused (exit 2)."""
+    tables, class_files = [], []
+    for name, windows in (("a", (8,)), ("b", (16,))):
+        table, _ = fabricate(tmp_path / name, "per_window", windows=windows, models=3)
+        cells = {c: c.split("/runs/")[1].split("/")[0] for c in table["checkpoint"].unique()}
+        tight = {"W/2": 0.05, "W": 0.01, "2W": 0.0005, "4W": 1e-6}
+        classes_for(cells, {job: windows[0] for job in cells.values()},
+                    {job: tight for job in cells.values()}).to_csv(tmp_path / f"{name}.csv",
+                                                                   index=False)
+        # the checkpoints are gone: the geometry comes from the study's archive
+        (tmp_path / f"{name}_archive").mkdir()
+        (tmp_path / name / "runs").rename(tmp_path / f"{name}_archive" / "runs")
+        table.to_csv(tmp_path / f"{name}_pos.csv", index=False)
+        tables.append(str(tmp_path / f"{name}_pos.csv"))
+        class_files.append(str(tmp_path / f"{name}.csv"))
+    out = tmp_path / "out"
+    args = ["--kl-by-position", *tables, "--out", str(out), "--resamples", "30",
+            "--kl-by-class", *class_files, "--study", str(tmp_path / "a_archive"),
+            str(tmp_path / "b_archive")]
+    assert decay.main(args) == 0
+    cells = pd.read_csv(out / "decay_cells.csv").set_index("job")
+    assert sorted(cells.index) == ["L4_W16", "L4_W8"] and (cells["n_star_text_over_W"] == 2).all()
+    assert decay.main([*args[:-1], str(tmp_path / "a_archive")]) == 2      # a study twice
+    assert decay.main([*args[:8], class_files[0], class_files[0], *args[10:]]) == 2
