@@ -87,24 +87,31 @@ BAR, V41_WINDOW = 0.001, 128
 CLASS_REQUIRED = ("checkpoint", "job", "level", "replay", "N", "group", "dnll_mean")
 
 
-def read_tables(paths: list[Path]) -> pd.DataFrame:
-    """The kl_by_position rows of every file, one table (rows: checkpoint x distance); a
-    missing column or a (checkpoint, distance) given twice is a ValueError."""
+def read_readings(paths: list[Path], required: tuple[str, ...], name: str,
+                  key: str | None = None) -> pd.DataFrame:
+    """The rows of every file (evals.real_text's `name`, e.g. kl_by_position.csv), one table
+    with string checkpoints; a missing column of `required`, or (with `key`) a (checkpoint,
+    key) given twice (the same model in two tables), is a ValueError."""
     parts = []
     for path in paths:
         table = pd.read_csv(path)
-        missing = [c for c in REQUIRED if c not in table]
+        missing = [c for c in required if c not in table]
         if missing:
-            raise ValueError(f"{path}: no column(s) {missing} (evals.real_text's "
-                             f"kl_by_position.csv has {list(REQUIRED)})")
+            raise ValueError(f"{path}: no column(s) {missing} (evals.real_text's {name} has "
+                             f"{list(required)})")
         parts.append(table.assign(checkpoint=table["checkpoint"].astype(str)))
     table = pd.concat(parts, ignore_index=True)
-    twice = table.duplicated(["checkpoint", "distance"])
-    if twice.any():
+    twice = table.duplicated(["checkpoint", key]) if key else None
+    if twice is not None and twice.any():
         row = table[twice].iloc[0]
-        raise ValueError(f"checkpoint {row['checkpoint']}: distance {row['distance']} given "
-                         "twice (the same model in two tables?)")
+        raise ValueError(f"checkpoint {row['checkpoint']}: {key} {row[key]} given twice (the "
+                         f"same model in two {name} tables?)")
     return table
+
+
+def read_tables(paths: list[Path]) -> pd.DataFrame:
+    """The kl_by_position rows of every file, one table (rows: checkpoint x distance)."""
+    return read_readings(paths, REQUIRED, "kl_by_position.csv", key="distance")
 
 
 def geometry(checkpoint: str, runs: dict | None) -> dict:
@@ -280,19 +287,10 @@ def compare_laws(frame: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05
 
 def read_classes(paths: list[Path]) -> pd.DataFrame:
     """The per-model rows over every scored byte (level model, group all) of one or more of
-    evals.real_text's kl_by_class.csv (rows: checkpoint x replay); a missing column, or a
-    (checkpoint, replay) given twice, is a ValueError."""
-    parts = []
-    for path in paths:
-        table = pd.read_csv(path)
-        missing = [c for c in CLASS_REQUIRED if c not in table]
-        if missing:
-            raise ValueError(f"{path}: no column(s) {missing} (evals.real_text's "
-                             f"kl_by_class.csv has {list(CLASS_REQUIRED)})")
-        table = table[(table["level"] == "model") & (table["group"] == "all")]
-        parts.append(table.assign(checkpoint=table["checkpoint"].astype(str),
-                                  replay=table["replay"].astype(str)))
-    table = pd.concat(parts, ignore_index=True)
+    evals.real_text's kl_by_class.csv (rows: checkpoint x replay)."""
+    table = read_readings(paths, CLASS_REQUIRED, "kl_by_class.csv").astype({"replay": str})
+    table = table[(table["level"] == "model") & (table["group"] == "all")]
+    # (checkpoint, replay) is one row per class group: unique once the groups are filtered
     twice = table.duplicated(["checkpoint", "replay"])
     if twice.any():
         row = table[twice].iloc[0]
