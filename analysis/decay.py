@@ -44,10 +44,16 @@ interval draws models within cells. A KL of `bar` nats a byte is about a `bar` r
 of perplexity (exp(dnll) - 1 ~ dnll ~ KL when the exact model is close to the text's law); the
 grid's N*_text beside it is the measured check.
 
+The synthetic suite beside it, with `--synthetic findings/encoder_w/models.csv --synthetic-study
+findings/encoder_w/archive`: per real-text cell, every synthetic job of the same W, L_d and L_e
+(E4_L4 beside T4_W8, E8_L8_s2500 beside T8_W8), its N* per model (min, median, max, over W)
+and the distance it is censored at, beside N*_text.
+
 Writes decay_models.csv, decay_cells.csv, decay_laws.csv, decay.png (log KL against d - W per
 model with its fit; tau against W per model with both laws' fits) and decay.md into --out;
 with --kl-by-class also decay_replays.csv (per cell and N: the change of perplexity and its
-interval), N*_text in decay_cells.csv and decay_extrapolation.csv.
+interval), N*_text in decay_cells.csv and decay_extrapolation.csv; with --synthetic,
+decay_synthetic.csv.
 """
 
 from __future__ import annotations
@@ -125,12 +131,17 @@ def geometry(checkpoint: str, runs: dict | None) -> dict:
             raise FileNotFoundError(f"{checkpoint}: no config.json there, nor a run {job}/seed"
                                     f"{seed} with final/config.json under --study")
         path = run["final"]
+    return {"job": job, "seed": seed, **_shape(path)}
+
+
+def _shape(path: Path) -> dict:
+    """W, L_d, L_e and R_exact of the checkpoint directory `path`."""
     try:
         cfg = load_config(path)
     except CheckpointError as error:
         raise ValueError(str(error)) from None
-    return {"job": job, "seed": seed, "W": cfg.window, "L_d": cfg.n_decoder_layers,
-            "L_e": cfg.n_encoder_layers, "R_exact": exact_replay_length(cfg)}
+    return {"W": cfg.window, "L_d": cfg.n_decoder_layers, "L_e": cfg.n_encoder_layers,
+            "R_exact": exact_replay_length(cfg)}
 
 
 def fit_decay(distance: np.ndarray, kl: np.ndarray, weight: np.ndarray, window: int,
@@ -440,22 +451,31 @@ CELL_COLUMNS = ["job", "W", "L_d", "L_e", "models", "fitted", "tau_mean", "tau_c
                 "tau_over_W_t_high", "per_byte_factor"]
 
 
-def _n_star_markdown(replays: pd.DataFrame, extrapolation: pd.DataFrame, level: str) -> list:
-    """decay.md's N*_text part: the change of perplexity per cell and N, and the extrapolation."""
+def _n_star_markdown(replays: pd.DataFrame, extrapolation: pd.DataFrame, level: str,
+                     synthetic: pd.DataFrame | None = None) -> list:
+    """decay.md's N*_text part: the change of perplexity per cell and N, the extrapolation and,
+    given, the synthetic suite's N* beside it."""
     bar, window = extrapolation["bar"].iloc[0], int(extrapolation["window"].iloc[0])
-    return ["", f"## N*_text: relative change of perplexity per read replay ({level} Student t "
-            f"over models; within_bar: upper bound <= {bar:g})", "",
-            markdown(replays, list(replays.columns), digits=5),
-            f"## N*_text extrapolated to W = {window} (each model's fitted KL down to {bar:g} "
-            "nats a byte; intervals draw models within cells)", "",
-            markdown(extrapolation, list(extrapolation.columns), digits=4)]
+    md = ["", f"## N*_text: relative change of perplexity per read replay ({level} Student t "
+          f"over models; within_bar: upper bound <= {bar:g})", "",
+          markdown(replays, list(replays.columns), digits=5),
+          f"## N*_text extrapolated to W = {window} (each model's fitted KL down to {bar:g} "
+          "nats a byte; intervals draw models within cells)", "",
+          markdown(extrapolation, list(extrapolation.columns), digits=4)]
+    if synthetic is not None:
+        md += ["## The synthetic suite's N* beside N*_text (cells of the same W, L_d and L_e; "
+               "a synthetic N* is censored at its largest competent distance, N*_text at "
+               "R_exact)", "",
+               markdown(synthetic, list(synthetic.columns), digits=4) if not synthetic.empty
+               else "No synthetic job shares a real-text cell's W, L_d and L_e."]
+    return md
 
 
 def report(sources: list[Path], floor: float, resamples: int, alpha: float,
            models: pd.DataFrame, cells: pd.DataFrame, laws: pd.DataFrame | None,
            refusal: str | None, n_star: tuple | None = None) -> str:
     """decay.md: the fits per model, the cells, the laws (or why there are none) and, given
-    (replays, extrapolation) as `n_star`, N*_text."""
+    (replays, extrapolation[, synthetic]) as `n_star`, N*_text (and the synthetic N* beside)."""
     level = f"{100 * (1 - alpha):.0f}%"
     md = ["# How the cost of bounded replay decays with distance (python -m analysis.decay)",
           "", f"From {', '.join(map(str, sources))}. Per model, log mean KL = log A - (d - W)"
@@ -474,7 +494,7 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
                "models within cells.", "",
                markdown(laws, [c for c in laws.columns if c not in ("cells",)], digits=4)]
     if n_star is not None:
-        md += _n_star_markdown(*n_star, level)
+        md += _n_star_markdown(*n_star[:2], level, *n_star[2:])
     return "\n".join(md) + "\n"
 
 
@@ -489,12 +509,64 @@ def n_star_tables(classes_paths: list[Path], models: pd.DataFrame, cells: pd.Dat
     return replays, extrapolate(models, window, bar, resamples, alpha)
 
 
+def _spread(values: np.ndarray, name: str) -> dict:
+    """{name_min, name_median, name_max} over the finite values (NaN for none)."""
+    finite = values[np.isfinite(values)]
+    stats = (finite.min(), np.median(finite), finite.max()) if finite.size else (math.nan,) * 3
+    return {f"{name}_{k}": float(v) for k, v in zip(("min", "median", "max"), stats)}
+
+
+SYNTHETIC_REQUIRED = ("job", "seed", "N_star", "largest_competent_d", "horizon")
+
+
+def synthetic_beside_text(synthetic: pd.DataFrame, runs: dict, cells: pd.DataFrame
+                          ) -> pd.DataFrame:
+    """decay_synthetic.csv: per real-text cell and synthetic job of the same W, L_d and L_e
+    (rows: such pairs) the synthetic suite's N* per model and its median, both over W, its
+    largest competent distance and horizon (its N* is censored there), beside the cell's
+    N*_text and its grid's end (R_exact) and tau / W. synthetic: `analysis.reach`'s models.csv
+    (one row a model; N_star NaN where no bin was competent); runs: the synthetic study's
+    `runs_of`, for each job's geometry; cells: `cell_table` with n_star_text. ValueError for a
+    synthetic model without a trained run in `runs`."""
+    missing = [c for c in SYNTHETIC_REQUIRED if c not in synthetic]
+    if missing:
+        raise ValueError(f"--synthetic: no column(s) {missing} (analysis.reach's models.csv)")
+    rows = []
+    for job, part in synthetic.groupby("job", sort=True):
+        label = RunId(str(job), int(part["seed"].iloc[0])).model
+        if (runs or {}).get(label, {}).get("final") is None:
+            raise ValueError(f"--synthetic: model {label} has no final/config.json under "
+                             "--synthetic-study (its archive or study directory)")
+        shape = _shape(runs[label]["final"])
+        same = cells[(cells["W"] == shape["W"]) & (cells["L_d"] == shape["L_d"])
+                     & (cells["L_e"] == shape["L_e"])]
+        n_star = part["N_star"].to_numpy(float)
+        for cell in same.itertuples():
+            rows.append({"cell": cell.job, **shape, "n_star_text": cell.n_star_text,
+                         "n_star_text_over_W": cell.n_star_text / shape["W"],
+                         "text_tau_over_W": cell.tau_over_W_mean, "text_models": cell.models,
+                         "synthetic_job": job, "synthetic_models": len(part),
+                         **_spread(n_star, "synthetic_n_star"),
+                         "largest_competent_d_median": float(
+                             part["largest_competent_d"].median()),
+                         "horizon": int(part["horizon"].max())})
+    frame = pd.DataFrame(rows)
+    if not frame.empty:
+        frame["synthetic_n_star_over_W"] = frame["synthetic_n_star_median"] / frame["W"]
+    return frame
+
+
 def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float = FLOOR,
           resamples: int = 2000, alpha: float = 0.05, classes: list[Path] = (),
-          bar: float = BAR, window: int = V41_WINDOW) -> tuple[dict, str | None]:
+          bar: float = BAR, window: int = V41_WINDOW,
+          synthetic: tuple[Path, list[Path]] | None = None) -> tuple[dict, str | None]:
     """Every output into `out`: ({name: path}, the laws' refusal or None). `studies`: study
     directories or archives whose runs give the geometry of checkpoints that are gone;
-    `classes`: the readings' kl_by_class.csv, for N*_text and its extrapolation to `window`."""
+    `classes`: the readings' kl_by_class.csv, for N*_text and its extrapolation to `window`;
+    `synthetic`: (analysis.reach's models.csv, its study's directories or archives), for
+    `synthetic_beside_text` (needs `classes`)."""
+    if synthetic is not None and not classes:
+        raise ValueError("--synthetic needs --kl-by-class (N*_text is what it is put beside)")
     table = read_tables(sources)
     runs = runs_of(list(studies))
     models = fit_models(table, runs, floor)
@@ -513,7 +585,10 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
     (laws if laws is not None else pd.DataFrame(columns=["law"])).to_csv(
         written["laws"], index=False, float_format="%.6g")
     if n_star is not None:
-        for name, frame in zip(("replays", "extrapolation"), n_star):
+        if synthetic is not None:
+            n_star = (*n_star, synthetic_beside_text(pd.read_csv(synthetic[0]),
+                                                     runs_of(list(synthetic[1])), cells))
+        for name, frame in zip(("replays", "extrapolation", "synthetic"), n_star):
             written[name] = out / f"decay_{name}.csv"
             frame.to_csv(written[name], index=False, float_format="%.6g")
     written["figure"] = out / "decay.png"
@@ -544,15 +619,25 @@ def main(argv: list[str] | None = None) -> int:
         f"the relative change of perplexity N*_text allows (default {BAR:g}: 0.1%%)"))
     parser.add_argument("--to-window", type=int, default=V41_WINDOW, help=(
         f"the window N*_text is extrapolated to (default {V41_WINDOW}, V4.1's)"))
+    parser.add_argument("--synthetic", type=Path, default=None, help=(
+        "analysis.reach's models.csv of a synthetic study (e.g. findings/encoder_w/models.csv):"
+        " its N* per model beside N*_text for cells of the same W, L_d and L_e (needs "
+        "--kl-by-class and --synthetic-study)"))
+    parser.add_argument("--synthetic-study", type=Path, nargs="+", default=[], help=(
+        "the synthetic study's directories or archives (runs/<job>/seed<k>/final), for its "
+        "jobs' geometry"))
     add_bootstrap_options(parser)
     args = parser.parse_args(argv)
     try:
         if not 0 < args.bar < 1 or args.to_window < 1:
             raise ValueError(f"--bar must lie in (0, 1) and --to-window be >= 1; got "
                              f"{args.bar}, {args.to_window}")
+        if (args.synthetic is None) != (not args.synthetic_study):
+            raise ValueError("--synthetic and --synthetic-study go together")
         written, refusal = write(args.kl_by_position, args.out, args.study, args.floor,
                                  args.resamples, args.alpha, args.kl_by_class, args.bar,
-                                 args.to_window)
+                                 args.to_window, (args.synthetic, args.synthetic_study)
+                                 if args.synthetic is not None else None)
     except (FileNotFoundError, ValueError) as error:
         print(f"analysis.decay: {error}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ def write_config(root, job: str, seed: int, window: int, layers: int, encoder: i
     final.mkdir(parents=True)
     (final / "config.json").write_text(json.dumps(ModelConfig(
         variant="ced", n_encoder_layers=encoder, n_decoder_layers=layers, window=window,
-        encoder_kv_groups=0).to_dict()))
+        encoder_kv_groups=0 if encoder <= 2 else 1).to_dict()))
     return final
 
 
@@ -244,16 +244,22 @@ def test_the_extrapolation_follows_each_law():
         decay.extrapolate(models.assign(tau=np.nan))
 
 
+def one_reading(tmp_path, windows) -> None:
+    """pos.csv and cls.csv in tmp_path: a per-window reading of three models a W whose change
+    of perplexity is 1% at W and 0.05% at 2W (N*_text = 2W in every cell)."""
+    table, _ = fabricate(tmp_path / "s", "per_window", windows=windows, models=3)
+    table.to_csv(tmp_path / "pos.csv", index=False)
+    cells = {c: c.split("/runs/")[1].split("/")[0] for c in table["checkpoint"].unique()}
+    jobs = {job: int(job.split("_W")[1]) for job in cells.values()}
+    tight = {"W/2": 0.05, "W": 0.01, "2W": 0.0005, "4W": 1e-6}
+    classes_for(cells, jobs, {job: tight for job in jobs}).to_csv(tmp_path / "cls.csv",
+                                                                  index=False)
+
+
 def test_the_cli_writes_n_star_text_beside_the_fits(tmp_path):
     """With --kl-by-class the replay table, the extrapolation to --to-window and N*_text per
     cell are written; a --bar outside (0, 1) is refused with exit 2."""
-    table, _ = fabricate(tmp_path / "s", "per_window", models=3)
-    table.to_csv(tmp_path / "pos.csv", index=False)
-    cells = {c: c.split("/runs/")[1].split("/")[0] for c in table["checkpoint"].unique()}
-    windows = {job: int(job.split("_W")[1]) for job in cells.values()}
-    tight = {"W/2": 0.05, "W": 0.01, "2W": 0.0005, "4W": 1e-6}
-    classes_for(cells, windows, {job: tight for job in windows}).to_csv(tmp_path / "cls.csv",
-                                                                        index=False)
+    one_reading(tmp_path, (8, 16, 32))
     out = tmp_path / "out"
     args = ["--kl-by-position", str(tmp_path / "pos.csv"), "--out", str(out), "--kl-by-class",
             str(tmp_path / "cls.csv"), "--to-window", "64", "--resamples", "30"]
@@ -293,3 +299,46 @@ def test_two_studies_read_as_one(tmp_path):
     assert sorted(cells.index) == ["L4_W16", "L4_W8"] and (cells["n_star_text_over_W"] == 2).all()
     assert decay.main([*args[:-1], str(tmp_path / "a_archive")]) == 2      # a study twice
     assert decay.main([*args[:8], class_files[0], class_files[0], *args[10:]]) == 2
+
+
+def test_the_synthetic_suite_is_put_beside_the_cells_of_its_geometry(tmp_path):
+    """--synthetic puts each synthetic job beside the real-text cells of the same W, L_d and L_e
+    (from the synthetic study's configs, not its name): its N* per model as min, median, max
+    (a model without a competent bin left out) and over W, beside the cell's N*_text; a job of
+    another encoder depth matches no cell. Refused (exit 2): without --kl-by-class, without
+    --synthetic-study, a synthetic model with no run there, a table without N_star."""
+    one_reading(tmp_path, (8, 16))
+    synthetic = tmp_path / "syn"
+    rows = []
+    for job, window, encoder, n_stars in (("S_W8", 8, 2, [16, 8, np.nan]),
+                                          ("S_W16", 16, 2, [40, 48]),
+                                          ("S_E4", 8, 4, [12, 12])):
+        for seed, n_star in enumerate(n_stars):
+            write_config(synthetic, job, seed, window, 4, encoder)
+            rows.append({"job": job, "seed": seed, "W": window, "N_star": n_star,
+                         "largest_competent_d": 24, "horizon": 3 * window})
+    pd.DataFrame(rows).to_csv(tmp_path / "models.csv", index=False)
+    out = tmp_path / "out"
+    base = ["--kl-by-position", str(tmp_path / "pos.csv"), "--out", str(out), "--resamples",
+            "30"]
+    beside = ["--synthetic", str(tmp_path / "models.csv"), "--synthetic-study", str(synthetic)]
+    assert decay.main([*base, "--kl-by-class", str(tmp_path / "cls.csv"), *beside]) == 0
+    got = pd.read_csv(out / "decay_synthetic.csv").set_index("synthetic_job")
+    assert sorted(got.index) == ["S_W16", "S_W8"]
+    assert got.loc["S_W8", "cell"] == "L4_W8" and got.loc["S_W16", "cell"] == "L4_W16"
+    assert list(got.loc["S_W8", ["synthetic_n_star_min", "synthetic_n_star_median",
+                                 "synthetic_n_star_max"]]) == [8, 12, 16]
+    assert got.loc["S_W8", "synthetic_models"] == 3
+    assert got.loc["S_W16", "synthetic_n_star_over_W"] == pytest.approx(44 / 16)
+    assert (got["n_star_text_over_W"] == 2).all()
+    assert "synthetic suite's N* beside N*_text" in (out / "decay.md").read_text()
+    assert decay.main([*base, *beside]) == 2                                # no --kl-by-class
+    classes = ["--kl-by-class", str(tmp_path / "cls.csv")]
+    assert decay.main([*base, *classes, *beside[:2]]) == 2                  # no study
+    pd.DataFrame([*rows, {**rows[0], "seed": 7, "job": "S_gone"}]).to_csv(
+        tmp_path / "gone.csv", index=False)
+    assert decay.main([*base, *classes, "--synthetic", str(tmp_path / "gone.csv"),
+                       *beside[2:]]) == 2
+    pd.DataFrame(rows).drop(columns="N_star").to_csv(tmp_path / "bad.csv", index=False)
+    assert decay.main([*base, *classes, "--synthetic", str(tmp_path / "bad.csv"),
+                       *beside[2:]]) == 2
