@@ -11,13 +11,15 @@ from pathlib import Path
 import pandas as pd
 
 from ced.records import DamagedRecord, read_json
+from ced.run_id import identified
 
 
 def provenance(study: Path) -> dict:
-    """Where the numbers come from, from the driver's summary.json: the study, scale and seeds,
-    every invocation (command, git commit, whether the tree was dirty, wall time) and the
-    seconds spent per kind of step (train / divergence / suite), summed over the steps that
-    ran (a skipped or reused step keeps the seconds of the invocation that ran it)."""
+    """Where the numbers come from, from the driver's summary.json: the study, scale, seeds
+    (those of its runs; summary.json's where it has none), every invocation (command, git
+    commit, whether the tree was dirty, wall time) and the seconds spent per kind of step
+    (train / divergence / suite), summed over the steps that ran (a skipped or reused step
+    keeps the seconds of the invocation that ran it)."""
     try:
         record = read_json(study / "summary.json")
     except DamagedRecord as exc:
@@ -33,9 +35,17 @@ def provenance(study: Path) -> dict:
             kind = key.split("/", 1)[0].split(" ", 1)[0]
             seconds[kind] = seconds.get(kind, 0.0) + float(step["seconds"])
     return {"study": record.get("study"), "scale": record.get("scale"),
-            "seeds": record.get("seeds"), "invocations": record.get("invocations", []),
+            "seeds": _trained_seeds(study) or record.get("seeds"),
+            "invocations": record.get("invocations", []),
             "step_seconds": {k: round(v, 1) for k, v in sorted(seconds.items())},
             "total_step_seconds": round(sum(seconds.values()), 1)}
+
+
+def _trained_seeds(study: Path) -> list[int]:
+    """The seeds of the study's runs (runs/<job>/seed<k>, with or without a final model):
+    summary.json's `seeds` are only those of the driver's last invocation, which may have
+    trained one model of a study grown over many."""
+    return sorted({run_id.seed for run_id, _ in identified(study / "runs")})
 
 
 def provenance_markdown(info: dict) -> list[str]:

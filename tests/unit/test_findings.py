@@ -12,6 +12,7 @@ import pytest
 from analysis.findings import main
 from analysis.tables import (accuracy_table, answer_kl_table, capability_drop_table,
                              competence_table, paired_difference, reference_drop_table)
+from ced.run_id import RunId, write_run_id
 from evals.suites.stats import binomial_two_sided, wilson_interval
 
 
@@ -154,6 +155,14 @@ def test_cli_writes_every_table_and_plot_from_a_study_directory(tmp_path):
     info = json.loads((out / "provenance.json").read_text())
     assert info["step_seconds"] == {"divergence": 12.0, "suite": 30.0, "train": 120.0}
     assert info["total_step_seconds"] == 162.0
+    assert info["seeds"] == [0, 1]          # no runs/: the seeds summary.json names
+    # a study grown one model an invocation: summary.json names the last invocation's seeds
+    # only, the header the seeds of the study's runs
+    for seed in (0, 1, 2):
+        write_run_id(study / "runs" / "ced" / f"seed{seed}", RunId("ced", seed))
+    assert main(["--study", str(study), "--out", str(out)]) == 0
+    assert json.loads((out / "provenance.json").read_text())["seeds"] == [0, 1, 2]
+    assert "seeds [0, 1, 2]." in (out / "findings.md").read_text()
     with pytest.raises(SystemExit):
         main(["--study", str(tmp_path / "nothing"), "--out", str(out)])
     # both levels of CI in every drop row, and the models counted
