@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .block_masks import (empty_slots, invisible_entries, unpicked_entries, union_of_picks,
+                          window_block)
 from .config import ModelConfig, global_read_is_masked
 from .exact_ops import hidden_bits, masked_fill_hidden, matmul_operand
 from .semantics import first_visible_entry, visible_entries, window_lower_bound
@@ -178,56 +180,13 @@ def _add_rows(grad_entries: Tensor, index: Tensor, grad_rows: Tensor) -> None:
                                          grad_rows.reshape(-1, dh))
 
 
-def _chosen_mask(index: Tensor, valid: Tensor, n_read: int) -> Tensor:
-    """Selected entries as a mask: index/valid [B, C, k] -> BoolTensor[B, C, n_read]. Padding
-    slots (valid False) go to a spare column that is cut off, so they never mark an entry."""
-    spare = torch.full_like(index, n_read)
-    target = torch.where(valid, index, spare).clamp_max(n_read)
-    mask = torch.zeros(*index.shape[:2], n_read + 1, dtype=torch.bool, device=index.device)
-    return mask.scatter_(-1, target, True)[..., :n_read]
-
-
-# The per-block masks of `attend`'s key sets, each a function of tensors one call's layers share
-# (so `shared` builds each once per call): True where a query may not read the key (slot).
-
-
-def _window_block(lower: Tensor, key_positions: Tensor, query_positions: Tensor, c0: int,
-                  c1: int) -> tuple[int, int, Tensor]:
-    """The window keys of queries c0:c1: window keys at ascending key_positions [S], lower
-    [B|1, Tq] (`window_lower_bound`), query_positions [Tq] -> (first, last): the rows
-    first:last of the keys that some query of the block sees, and hidden [B|1, 1, C, last -
-    first]: key p hidden from query i unless lower(i) <= p <= i."""
-    low, qpos = lower[:, c0:c1], query_positions[c0:c1]
-    first = int(torch.searchsorted(key_positions, low.min()))
-    last = int(torch.searchsorted(key_positions, qpos[-1], right=True))
-    kpos = key_positions[first:last]
-    hidden = (kpos[None, None, :] < low[:, :, None]) | (kpos[None, None, :] > qpos[None, :, None])
-    return first, last, hidden[:, None]
-
-
-def _unpicked_entries(index: Tensor, valid: Tensor, c0: int, c1: int, n_read: int) -> Tensor:
-    """A masked top-k read of queries c0:c1: the selection's index/valid [B, Tq, k] ->
-    hidden [B, 1, C, n_read], every entry the query did not pick."""
-    return ~_chosen_mask(index[:, c0:c1], valid[:, c0:c1], n_read)[:, None]
-
-
-def _empty_slots(valid: Tensor, c0: int, c1: int) -> Tensor:
-    """A gathered top-k read of queries c0:c1: valid [B, Tq, k] -> hidden [B, 1, C, k], the
-    padding slots."""
-    return ~valid[:, c0:c1][:, None]
-
-
-def _invisible_entries(query_positions: Tensor, compress_ratio: int, first_entry: Tensor | None,
-                       c0: int, c1: int, n_read: int) -> Tensor:
-    """A dense global read of queries c0:c1 at query_positions [Tq]: hidden [B|1, 1, C, n_read],
-    the entries not yet complete (`visible_entries`) and, under a document mask first_entry
-    [B, Tq] (`first_visible_entry`), those before the query's document."""
-    entry = torch.arange(n_read, device=query_positions.device)
-    n_visible = visible_entries(query_positions[c0:c1], compress_ratio)
-    hidden = (entry[None, :] >= n_visible[:, None])[None, None]
-    if first_entry is not None:
-        hidden = hidden | (entry < first_entry[:, c0:c1, None])[:, None]
-    return hidden
+def _union_rows(entries: Tensor, rows: Tensor, heads: int) -> Tensor:
+    """The union entries of one block: entries [B, G, E, Dh] at `rows` of `union_of_picks`
+    -> [B, heads, U, Dh] (query head i on K/V head i // (heads / G))."""
+    b, g, _, dh = entries.shape
+    width = rows.numel() // max(b * g, 1)
+    picked = entries.reshape(-1, dh).index_select(0, rows).view(b, g, width, dh)
+    return _per_query_head(picked, heads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,7 +642,7 @@ def _plain_causal(q: Tensor, query_positions: Tensor, lower: Tensor | None,
 # are at its slot and its values at slot + 1. The window's K/V, then the global entries' K/V
 # per query head, then the global entries' K/V per K/V head, which a gathered block's set
 # indexes (its picked rows are read in place, never copied).
-_WINDOW_SLOT, _ENTRY_SLOT, _GATHERED_SLOT = 0, 2, 4
+_WINDOW_SLOT, _ENTRY_SLOT, _GATHERED_SLOT, _UNION_SLOT = 0, 2, 4, 6   # a union set: 6 + 2 i
 
 
 def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: WindowKV | None,
@@ -708,10 +667,9 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
 
     Why this stays one function, over 60 lines: it is the one readable place for the visibility
     rules (which window keys a query sees, which global entries are visible and selected, how
-    the three read forms mask them; each form's per-block mask is a function just above,
-    `_window_block`, `_unpicked_entries`, `_empty_slots`, `_invisible_entries`, of tensors the
-    layers of a call share, so that it is built once a call). Each block's rules become KeySets; the one softmax over
-    all of them and the sink is taken by the fused CPU kernel for every block at once
+    the read forms mask them; each form's per-block mask is a function of ced/block_masks.py
+    of tensors the layers of a call share, so that it is built once a call). Each block's
+    rules become KeySets; the one softmax over all of them and the sink is taken by the fused CPU kernel for every block at once
     (`_FlashRead`) or by `joint_read` per block (the reference: bf16 gathers, other devices): the
     same quantity. Training, parallel evaluation and the engine all run through it.
     """
@@ -728,13 +686,13 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     # per block: (c0, c1, key sets, where each set's keys start in window.k / entry_k as
     # (slot, start) for the fused read (a gathered set: source.k at _GATHERED_SLOT, its
     # index), the selection, masked)
-    blocks, any_gathered = [], False
+    blocks, any_gathered, unions = [], False, []
     for c0 in range(0, n_queries, block):
         c1 = min(c0 + block, n_queries)
         key_sets: list[KeySet] = []
         spans: list[tuple[int, int] | None] = []
         if window is not None:
-            first, last, hidden = shared(masks, _window_block, lower, window.positions,
+            first, last, hidden = shared(masks, window_block, lower, window.positions,
                                          query_positions, c0, c1)
             key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
                                    hidden, causal=causal))
@@ -746,24 +704,33 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 idx = selection.index[:, c0:c1]
                 masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
                                                h // source.k.shape[1])
-            if sparse and not masked:
-                hidden = shared(masks, _empty_slots, selection.valid, c0, c1)
+            if sparse and global_read == "union":
+                union, rows, hidden = shared(masks, union_of_picks, selection.index,
+                                             selection.valid, c0, c1, n_read,
+                                             source.k.shape[1], source.n_entries)
+                unions.append((union, _union_rows(source.k, rows, h),
+                               _union_rows(source.v, rows, h)))
+                key_sets.append(KeySet(unions[-1][1], unions[-1][2], hidden))
+                spans.append((_UNION_SLOT + 2 * (len(unions) - 1), 0))
+            elif sparse and not masked:
+                hidden = shared(masks, empty_slots, selection.valid, c0, c1)
                 key_sets.append(KeySet(source.k, source.v, hidden, gathered=True, index=idx))
                 spans.append((_GATHERED_SLOT, 0))
                 any_gathered = True
             else:
                 if masked:
-                    hidden = shared(masks, _unpicked_entries, selection.index, selection.valid,
+                    hidden = shared(masks, unpicked_entries, selection.index, selection.valid,
                                     c0, c1, n_read)
                 else:
-                    hidden = shared(masks, _invisible_entries, query_positions,
+                    hidden = shared(masks, invisible_entries, query_positions,
                                     source.compress_ratio, first_entry, c0, c1, n_read)
                 if entry_k is None:
                     entry_k, entry_v = _per_query_head(source.k, h), _per_query_head(source.v, h)
                 key_sets.append(KeySet(entry_k[:, :, :n_read], entry_v[:, :, :n_read], hidden,
                                        causal=causal))
                 spans.append((_ENTRY_SLOT, 0))
-        blocks.append((c0, c1, key_sets, spans, idx, masked))
+        blocks.append((c0, c1, key_sets, spans, idx, masked,
+                       unions[-1][0] if sparse and global_read == "union" else None))
 
     wants_mass = want_global_probs and source is not None
     global_probs = []
@@ -774,7 +741,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 for c0, c1, key_sets, spans, *_ in blocks]
         parents = (window.k if window is not None else None,
                    window.v if window is not None else None,
-                   entry_k, entry_v, *((source.k, source.v) if any_gathered else ()))
+                   entry_k, entry_v, *((source.k, source.v) if any_gathered else (None, None)),
+                   *(t for _, k, v in unions for t in (k, v)))
         result, total = _FlashRead.apply(q, sink, plan, *parents)
         if wants_mass:
             probs = [_set_probs(q[:, :, c0:c1], key_sets[-1], total[:, :, c0:c1])
@@ -789,10 +757,14 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             probs.append(block_probs[-1] if wants_mass else None)
         result = torch.cat(outputs, dim=2)
     if wants_mass:
-        for (c0, c1, key_sets, _, idx, masked), p in zip(blocks, probs):
+        for (c0, c1, key_sets, _, idx, masked, union), p in zip(blocks, probs):
             mass = p.detach().sum(dim=1)
             width = key_sets[-1].width
-            if sparse and masked:     # back to the selection's slots [B, C, k]
+            if union is not None:     # union columns -> entries -> the selection's slots
+                spread = mass.new_zeros(*mass.shape[:2], source.n_entries)
+                spread.scatter_(-1, union[:, None, :].expand(-1, mass.shape[1], -1), mass)
+                mass = torch.gather(spread, -1, idx)
+            elif sparse and masked:   # back to the selection's slots [B, C, k]
                 mass = torch.gather(F.pad(mass, (0, source.n_entries - width)), -1, idx)
             elif not sparse:
                 mass = F.pad(mass, (0, source.n_entries - width))

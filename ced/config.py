@@ -55,7 +55,7 @@ VARIANT_TRAITS: dict[str, VariantTraits] = {
                          encoder_global_kv=True, topk_study=True),
 }
 VARIANTS = tuple(VARIANT_TRAITS)
-GLOBAL_READS = ("auto", "gather", "masked")
+GLOBAL_READS = ("auto", "gather", "masked", "union")
 # With global_read="auto", a block of queries reads its top-k entries through the masked dense
 # matmul while the visible entries number at most this many times the top-k slots, divided by
 # the query heads per K/V head (global_kv_heads): where the two reads cost the same on CPU (the
@@ -119,7 +119,9 @@ class ModelConfig:
     attention_block: int = 128
     # How a top-k read is executed (same result either way, see `global_read_is_masked`):
     # "gather" copies each query's k entries; "masked" scores every visible entry with one
-    # matmul and masks the unselected ones; "auto" picks the cheaper per query block.
+    # matmul and masks the unselected ones; "auto" picks the cheaper per query block; "union"
+    # scores, per query block and batch row, only the entries some query of the block picked
+    # (one matmul over their union, the others masked; its size depends on the picks).
     global_read: str = "auto"
     # A path ablation, for evaluation (`ced.checkpoint.evaluation_overrides`, decoder_global=off):
     # False removes every decoder layer's read of the decoder global KV, leaving its window

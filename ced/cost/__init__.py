@@ -21,7 +21,8 @@ not FLOPs here. Two countings of the attention-side terms:
     block's window logits span the block plus the W-1 earlier positions (a masked rectangle);
     a dense global read, and a top-k read that `global_read_is_masked` runs as a masked
     matmul, span the entries visible to the block's last query (a gathered top-k read: its k
-    slots per query); the lightning indexer of a Full/Reindex layer scores, per block, the
+    slots per query; a union read, `global_read=union`, at most that: counted as masked, its
+    width depends on the picks); the lightning indexer of a Full/Reindex layer scores, per block, the
     entries visible to the block's last query; the SwiGLU runs at its padded width
     (`executed_ff_dim`). The attention terms are the reference kernel's matmuls
     (`ced.attention.attention_kernel("reference")`); the fused CPU kernel does the same products
@@ -450,8 +451,11 @@ class _Walk:
                         read = q * (z // m)
                     else:   # the same per-block choice as ced.attention.attend
                         slots = min(cfg.topk, entries)
-                        masked = global_read_is_masked(cfg.global_read, q, z // m, slots,
-                                                       cfg.n_heads // cfg.n_global_kv_heads)
+                        # a union read scores at most what the masked read scores: its
+                        # size depends on the picks, so it is counted at that bound
+                        masked = cfg.global_read == "union" or global_read_is_masked(
+                            cfg.global_read, q, z // m, slots,
+                            cfg.n_heads // cfg.n_global_kv_heads)
                         read = q * (z // m if masked else slots)
                     scored = q * min(entries, z // m)   # the entries visible to the block
                 else:

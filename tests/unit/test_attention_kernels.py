@@ -185,10 +185,12 @@ def test_fused_read_in_bf16_is_close_to_the_reference():
 
 
 # (variant, topk, extra config): "gather" reads every top-k block gathered, inside the fused
-# node in float64 (with 1 K/V head as well)
+# node in float64 (with 1 K/V head as well); "union" reads each block's union of picks as one
+# more parent of the node
 MODEL_CASES = [("dense", None, {}), ("swa", None, {}), ("yoco", None, {}), ("ced", None, {}),
                ("ced", 4, {}), ("ced", 4, {"global_read": "gather"}),
-               ("ced", 3, {"global_read": "gather", "global_kv_heads": 1})]
+               ("ced", 3, {"global_read": "gather", "global_kv_heads": 1}),
+               ("ced", 3, {"global_read": "union", "global_kv_heads": 1})]
 
 
 @pytest.mark.parametrize("variant,topk,extra", MODEL_CASES)

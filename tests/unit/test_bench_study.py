@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -84,3 +85,25 @@ def test_job_shapes_are_composed_from_their_study_files_job():
     cfg = study.compose("encoder_w_E8_L8", "ced")
     assert (cfg.model.n_encoder_layers, cfg.model.n_decoder_layers) == (8, 8)
     assert cfg.train.mixed_precision == "bf16"
+
+
+def test_the_ab_of_a_lever_times_both_arms_on_the_same_weights(tmp_path, monkeypatch):
+    """benchmarks/ab.py at the depth study with L_d = 1 and 2 rows: one round of each arm
+    (arm B under --set), both loaded with one saved model's weights, and the printed ratio."""
+    import ab
+    from ced.checkpoint import save_model
+    monkeypatch.setitem(study.SHAPES, "tiny", ("depth", ["model.n_decoder_layers=1",
+                                                         "train.batch_size=2"]))
+    cfg = study.compose("tiny", "ced")
+    run = study.make_run(cfg, tmp_path / "source")
+    model = run.accelerator.unwrap_model(run.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    save_model(model, tmp_path / "final")
+    times = ab.ab_times("tiny", ("model.global_read=union",), rounds=1, warmup=0,
+                        weights=tmp_path / "final", run_dir=tmp_path / "ab")
+    assert set(times) == {("A", "step"), ("A", "eval"), ("B", "step"), ("B", "eval")}
+    assert all(len(v) == 1 and v[0] > 0 for v in times.values())
+    monkeypatch.setattr(ab, "ab_times", lambda *a: times)
+    assert ab.main(["tiny", "--set", "model.global_read=union", "--rounds", "1"]) == 0

@@ -55,6 +55,7 @@ CASES = [  # (variant, heads, kv heads, topk, global_read, encoder ratio, decode
     ("ced", 2, 1, 3, "masked", 3, 2),
     ("ced", 4, 1, 2, "gather", 1, 1),
     ("ced", 4, 2, 3, "gather", 2, 2),
+    ("ced", 4, 2, 3, "union", 2, 1),
     ("ced", 4, 2, None, "auto", 2, 1),
     ("yoco", 4, 1, 2, "masked", 2, 1),
     ("yoco", 2, 1, None, "auto", 2, 1),
@@ -105,13 +106,16 @@ def folded_grad(name: str, grad, cfg):
     return grad
 
 
-@pytest.mark.parametrize("heads, kv_heads, topk", [(4, 2, 3), (4, 1, None), (2, 1, 2)])
-def test_the_engine_equals_the_parallel_forward_with_fewer_kv_heads(heads, kv_heads, topk):
+@pytest.mark.parametrize("heads, kv_heads, topk, read", [(4, 2, 3, "auto"), (4, 1, None, "auto"),
+                                                      (2, 1, 2, "auto"), (4, 2, 3, "union")])
+def test_the_engine_equals_the_parallel_forward_with_fewer_kv_heads(heads, kv_heads, topk,
+                                                                    read):
     """Prefill (full, bounded and exact replay) and decode steps against the parallel
-    forward, with G K/V heads (the property tests draw only 1 or 2 query heads)."""
+    forward, with G K/V heads (the property tests draw only 1 or 2 query heads), and with the
+    union read of a block's picks in both."""
     for seed in range(2):
         cfg = tiny_config("ced", n_heads=heads, d_model=8 * heads, global_kv_heads=kv_heads,
-                          topk=topk, window=4, attention_block=5)
+                          topk=topk, window=4, attention_block=5, global_read=read)
         model = make_model(cfg, seed)
         ids = random_ids(2, 30, seed)
         parallel = model(ids)

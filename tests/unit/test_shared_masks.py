@@ -77,7 +77,7 @@ def _assert_identical(a, b):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reindex_every", [1, 4])
-@pytest.mark.parametrize("global_read", ["auto", "masked", "gather"])
+@pytest.mark.parametrize("global_read", ["auto", "masked", "gather", "union"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_training_forward_and_gradients_are_bitwise_identical(dtype, reindex_every,
                                                                global_read, seed):
