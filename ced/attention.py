@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .block_masks import (empty_slots, invisible_entries, unpicked_entries, union_of_picks,
                           window_block)
-from .config import ModelConfig, global_read_is_masked
+from .config import UNION_READ_MAX_SHARE, ModelConfig, global_read_is_masked
 from .exact_ops import hidden_bits, masked_fill_hidden, matmul_operand
 from .semantics import first_visible_entry, visible_entries, window_lower_bound
 
@@ -704,10 +704,14 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 idx = selection.index[:, c0:c1]
                 masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
                                                h // source.k.shape[1])
+            union = None
             if sparse and global_read == "union":
                 union, rows, hidden = shared(masks, union_of_picks, selection.index,
                                              selection.valid, c0, c1, n_read,
                                              source.k.shape[1], source.n_entries)
+                if union.shape[1] > UNION_READ_MAX_SHARE * n_read:
+                    union, masked = None, True      # nearly every entry: the masked read
+            if union is not None:
                 unions.append((union, _union_rows(source.k, rows, h),
                                _union_rows(source.v, rows, h)))
                 key_sets.append(KeySet(unions[-1][1], unions[-1][2], hidden))
@@ -730,7 +734,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                                        causal=causal))
                 spans.append((_ENTRY_SLOT, 0))
         blocks.append((c0, c1, key_sets, spans, idx, masked,
-                       unions[-1][0] if sparse and global_read == "union" else None))
+                       union if source is not None else None))
 
     wants_mass = want_global_probs and source is not None
     global_probs = []

@@ -62,6 +62,11 @@ GLOBAL_READS = ("auto", "gather", "masked", "union")
 # gather copies each entry once per K/V head). The measurements: benchmarks/README.md, "The
 # auto rule of the top-k read".
 MASKED_READ_MAX_RATIO = 32
+# With global_read="union", a block whose union of picks holds more than this share of the
+# entries visible to it reads them masked instead: the union's copy of its K/V rows then costs
+# more than the entries it skips (a block of 64 queries at T = 512, fp32, one thread: the two
+# break even near 0.7; benchmarks/README.md, "The union read, built").
+UNION_READ_MAX_SHARE = 0.75
 # CPU GEMMs ran up to 1.3x slower at a SwiGLU width such as 683 than at 688 (benchmarks/README):
 # the MLP runs its hidden width padded to a multiple of this (`executed_ff_dim`).
 FF_PAD = 16
@@ -747,4 +752,4 @@ __all__ = ["ModelConfig", "UnmodelledParts", "LayerPlan", "LayerSpec", "SourceSp
            "exact_replay_length", "paper_replay_length", "exact_encoder_replay_length",
            "replay_length", "resolve_replay", "state_replay", "StatedReplay",
            "describe_replays", "is_window_form", "keep_from", "default_hidden_tail",
-           "global_read_is_masked", "GLOBAL_READS", "executed_ff_dim", "FF_PAD"]
+           "global_read_is_masked", "GLOBAL_READS", "UNION_READ_MAX_SHARE", "executed_ff_dim", "FF_PAD"]
