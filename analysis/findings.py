@@ -66,7 +66,7 @@ writes into --out:
 
 A `real_text` study (real_text/ and no suite/) is published by `analysis.real_text.publish`
 instead: its tables and plots, training.csv and training_curves.png, provenance.json and
-findings.md.
+findings.md (then, as for a suite study, its registered prediction's check).
 
 The statistics themselves, and how to read their two levels of confidence interval, are in
 analysis/tables.py.
@@ -127,15 +127,28 @@ def write_findings(study: Path, out: Path, alpha: float = 0.05,
     written["provenance"] = out / "provenance.json"
     write_json(written["provenance"], info)
     written["findings"] = out / "findings.md"
-    text = _findings_markdown(study, info, marks, tables, alpha)
+    written["findings"].write_text(_findings_markdown(study, info, marks, tables, alpha))
+    return add_prediction_check(info, out, written)
+
+
+def add_prediction_check(info: dict, out: Path, written: dict[str, Path]) -> dict[str, Path]:
+    """Where the study has a registered prediction (`check_prediction`): its check as
+    prediction_check.json in `out` and a last section of written["findings"]. Returns
+    `written`, with the check's path added."""
     check = check_prediction(info, out)
     if check is not None:
         written["prediction_check"] = out / "prediction_check.json"
         write_json(written["prediction_check"], check.to_dict())
-        text += f"\n## Registered prediction\n\n{check.line()}\n"
+        with open(written["findings"], "a") as fh:
+            fh.write(f"\n## Registered prediction\n\n{check.line()}\n")
         print(f"[findings] {check.line()}", file=sys.stderr)
-    written["findings"].write_text(text)
     return written
+
+
+def publish_real_text(study: Path, out: Path) -> dict[str, Path]:
+    """`analysis.real_text.publish` of a real-text study, then its prediction's check."""
+    written = publish(study, out)
+    return add_prediction_check(provenance(study), out, written)
 
 
 def check_prediction(info: dict, out: Path):
@@ -285,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         return list_written("findings", lambda: write_seed_t(args.seed_t))
     study = Path(args.study)
     if not (study / "suite").is_dir() and (study / "real_text").is_dir():
-        return list_written("findings", lambda: publish(study, Path(args.out)))
+        return list_written("findings", lambda: publish_real_text(study, Path(args.out)))
     if not (study / "suite").is_dir():
         p.error(f"--study {study}: no suite/ or real_text/ directory (is it a study "
                 "directory?)")

@@ -119,6 +119,23 @@ def test_evals_findings_checks_the_studys_prediction(repo):
     assert findings.check_prediction({**info, "study": "other"}, out) is None
 
 
+def test_a_real_text_studys_findings_end_with_its_prediction_check(repo):
+    """A real-text study is published by analysis.real_text.publish; analysis.findings adds
+    its prediction's check after it (prediction_check.json and the last section)."""
+    import json
+    registered = _commit(repo, TEXT, "register", "2000-01-01T01:00:00+00:00")
+    info = {"study": "toy", "invocations": _run(registered, "2000-01-01T01:05:00+0000")}
+    out = repo / "findings" / "toy"
+    out.mkdir(parents=True)
+    (out / "findings.md").write_text("# toy\n")
+    written = findings.add_prediction_check(info, out, {"findings": out / "findings.md"})
+    assert json.loads(written["prediction_check"].read_text())["ok"]
+    text = (out / "findings.md").read_text()
+    assert text.startswith("# toy\n") and "## Registered prediction" in text
+    assert "prediction_check" not in findings.add_prediction_check(
+        {**info, "study": "other"}, out, {"findings": out / "findings.md"})
+
+
 def test_cli_exit_codes(repo, tmp_path_factory):
     registered = _commit(repo, TEXT, "register", "2000-01-01T01:00:00+00:00")
     prov = tmp_path_factory.mktemp("p") / "provenance.json"
