@@ -350,6 +350,15 @@ def replay_table(classes: pd.DataFrame, models: pd.DataFrame, bar: float = BAR,
     return pd.DataFrame(rows).sort_values(["job", "N"], ignore_index=True)
 
 
+def model_n_star(classes: pd.DataFrame, bar: float = BAR) -> pd.Series:
+    """Per model (index: checkpoint) the smallest N read whose own relative change of
+    perplexity, exp(dnll_mean) - 1, is at most `bar` (no interval: a point reading, beside the
+    cell's N*_text); NaN where none is. classes: `read_classes` rows."""
+    within = classes[np.expm1(classes["dnll_mean"].astype(float)) <= bar]
+    found = within.groupby("checkpoint")["N"].min()
+    return found.reindex(classes["checkpoint"].unique()).astype(float)
+
+
 def n_star_text(replays: pd.DataFrame) -> pd.Series:
     """Per cell (index: job) the smallest N read whose change of perplexity is within the bar
     at its upper bound; NaN where none is (N*_text lies beyond the grid)."""
@@ -444,7 +453,7 @@ def figure(table: pd.DataFrame, models: pd.DataFrame, laws: pd.DataFrame | None,
 
 
 MODEL_COLUMNS = ["job", "seed", "W", "L_d", "L_e", "R_exact", "distances", "last_distance",
-                 "tau", "A", "r2", "per_byte_factor"]
+                 "tau", "A", "r2", "per_byte_factor", "n_star_point"]
 CELL_COLUMNS = ["job", "W", "L_d", "L_e", "models", "fitted", "tau_mean", "tau_ci_low",
                 "tau_ci_high", "tau_t_low", "tau_t_high", "tau_over_W_mean",
                 "tau_over_W_ci_low", "tau_over_W_ci_high", "tau_over_W_t_low",
@@ -481,7 +490,7 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
           "", f"From {', '.join(map(str, sources))}. Per model, log mean KL = log A - (d - W)"
           f" / tau over W <= d < R_exact with mean KL > {floor:g}, least squares weighted by "
           "bytes; per_byte_factor = exp(1/tau), the factor the KL falls by per byte.", "",
-          "## Models", "", markdown(models, MODEL_COLUMNS, digits=4),
+          "## Models", "", markdown(models, [c for c in MODEL_COLUMNS if c in models], digits=4),
           f"## Cells ({level} CIs: ci, bootstrap over models, {resamples} draws; t, "
           "Student t over models)", "",
           markdown(cells, [c for c in [*CELL_COLUMNS, "n_star_text", "n_star_text_over_W"]
@@ -501,8 +510,11 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
 def n_star_tables(classes_paths: list[Path], models: pd.DataFrame, cells: pd.DataFrame,
                   bar: float, window: int, resamples: int, alpha: float) -> tuple:
     """(replays, extrapolation) of `replay_table` and `extrapolate`; adds n_star_text and
-    n_star_text_over_W to `cells` in place."""
-    replays = replay_table(read_classes(classes_paths), models, bar, alpha)
+    n_star_text_over_W to `cells` and each model's own point reading, n_star_point, to
+    `models` in place."""
+    classes = read_classes(classes_paths)
+    models["n_star_point"] = models["checkpoint"].map(model_n_star(classes, bar))
+    replays = replay_table(classes, models, bar, alpha)
     found = n_star_text(replays)
     cells["n_star_text"] = cells["job"].map(found)
     cells["n_star_text_over_W"] = cells["n_star_text"] / cells["W"]

@@ -216,6 +216,11 @@ def test_n_star_text_is_the_first_replay_within_the_bar_at_its_upper_bound():
     assert b["dppl_t_low"] < 0.0009 < 0.001 < b["dppl_t_high"] and not b["within_bar"]
     found = decay.n_star_text(replays)
     assert found["A"] == 16 and found["B"] == 64 and np.isnan(found["C"])
+    # each model's own point reading: b2's 0.15% at 2W is over the bar, b0's 0.03% under it;
+    # C's one model has a point reading though its cell has no interval
+    points = decay.model_n_star(read)
+    assert points["b0"] == 32 and points["b2"] == 64 and points["c0"] == 16
+    assert np.isnan(decay.model_n_star(read, bar=1e-9)).all()
     with pytest.raises(ValueError, match="--kl-by-class"):
         decay.replay_table(read, models[models["checkpoint"] != "a1"])
 
@@ -266,6 +271,8 @@ def test_the_cli_writes_n_star_text_beside_the_fits(tmp_path):
     assert decay.main(args) == 0
     got = pd.read_csv(out / "decay_cells.csv").set_index("job")
     assert (got["n_star_text_over_W"] == 2).all()
+    fitted = pd.read_csv(out / "decay_models.csv")
+    assert (fitted["n_star_point"] == 2 * fitted["W"]).all()       # each model's own reading
     assert set(pd.read_csv(out / "decay_extrapolation.csv")["window"]) == {64}
     assert len(pd.read_csv(out / "decay_replays.csv")) == 3 * 4
     assert "N*_text extrapolated to W = 64" in (out / "decay.md").read_text()
