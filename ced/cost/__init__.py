@@ -21,8 +21,9 @@ not FLOPs here. Two countings of the attention-side terms:
     block's window logits span the block plus the W-1 earlier positions (a masked rectangle);
     a dense global read, and a top-k read that `global_read_is_masked` runs as a masked
     matmul, span the entries visible to the block's last query (a gathered top-k read: its k
-    slots per query; a union read, `global_read=union`, at most that: counted as masked, its
-    width depends on the picks); the lightning indexer of a Full/Reindex layer scores, per block, the
+    slots per query; a union read, `global_read=union`, an upper bound: the block's queries
+    times k, or the visible entries where `attend` may fall back to the masked read, since
+    the union's width depends on the picks); the lightning indexer of a Full/Reindex layer scores, per block, the
     entries visible to the block's last query; the SwiGLU runs at its padded width
     (`executed_ff_dim`). The attention terms are the reference kernel's matmuls
     (`ced.attention.attention_kernel("reference")`); the fused CPU kernel does the same products
@@ -44,9 +45,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from ..config import (LayerSpec, ModelConfig, build_plan, default_hidden_tail, executed_ff_dim,
-                      exact_replay_length, global_read_is_masked, keep_from, paper_replay_length,
-                      resolve_replay)
+from ..config import (UNION_READ_MAX_SHARE, LayerSpec, ModelConfig, build_plan,
+                      default_hidden_tail, executed_ff_dim, exact_replay_length,
+                      global_read_is_masked, keep_from, paper_replay_length, resolve_replay)
 from ..storage import StorageFormat, parse_storage
 
 COUNTINGS = ("executed", "causal")
@@ -55,6 +56,15 @@ DEFAULT_DTYPE = "fp32"
 # ---------------------------------------------------------------------------------------------
 # Widths
 # ---------------------------------------------------------------------------------------------
+
+
+def _union_bound(queries: int, visible: int, slots: int) -> int:
+    """The most entries a union top-k read (`global_read=union`) scores per query of a block:
+    its union holds at most queries x slots of the visible entries; where that many could
+    exceed UNION_READ_MAX_SHARE of them, `attend` may fall back to the masked read of all.
+    The union's true size depends on the picks, so the executed count is this bound."""
+    most = queries * slots
+    return most if most <= UNION_READ_MAX_SHARE * visible else visible
 
 
 @dataclass(frozen=True)
@@ -449,13 +459,12 @@ class _Walk:
                 if self.counting == "executed":
                     if cfg.topk is None:
                         read = q * (z // m)
+                    elif cfg.global_read == "union":
+                        read = q * _union_bound(q, z // m, min(cfg.topk, entries))
                     else:   # the same per-block choice as ced.attention.attend
                         slots = min(cfg.topk, entries)
-                        # a union read scores at most what the masked read scores: its
-                        # size depends on the picks, so it is counted at that bound
-                        masked = cfg.global_read == "union" or global_read_is_masked(
-                            cfg.global_read, q, z // m, slots,
-                            cfg.n_heads // cfg.n_global_kv_heads)
+                        masked = global_read_is_masked(cfg.global_read, q, z // m, slots,
+                                                       cfg.n_heads // cfg.n_global_kv_heads)
                         read = q * (z // m if masked else slots)
                     scored = q * min(entries, z // m)   # the entries visible to the block
                 else:

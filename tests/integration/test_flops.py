@@ -126,3 +126,29 @@ def test_engine_bytes_equal_analytic(cfg, dtype, name):
                                               hidden_tail=hidden_tail)
                     assert cache.nbytes() == want, (seq_len, replay, steps, hidden_tail)
                     engine.decode(ids[:, steps % seq_len], cache)
+
+
+def test_a_union_read_is_counted_at_its_upper_bound():
+    """global_read=union scores a block's union of picks, whose size depends on the picks: the
+    executed count is an upper bound on what FlopCounterMode measures (prefill, decode and
+    the parallel forward), never above the masked read's count, and at a decode step (one
+    query: its own k picks) equal to the gathered read's."""
+    shape = dict(topk=3, decoder_reindex_every=1, attention_block=5, encoder_compress_ratio=2,
+                 decoder_compress_ratio=1, window=5)
+    union, masked, gather = (tiny_config("ced", global_read=read, **shape)
+                             for read in ("union", "masked", "gather"))
+    engine = InferenceEngine(make_model(union, seed=3))
+    ids = torch.randint(0, union.vocab_size, (2, 42), generator=torch.Generator().manual_seed(3))
+    for replay in (None, 2, "exact"):
+        bound = engine_flops(union, 40, replay, 2, "executed", 2)
+        box = []
+        got = measured(lambda: box.append(engine.prefill(ids[:, :40], replay=replay)))
+        assert got <= bound[0].total <= engine_flops(masked, 40, replay, 2, "executed",
+                                                     2)[0].total
+        for step in range(2):
+            got = measured(lambda: engine.decode(ids[:, 40 + step], box[0].cache))
+            assert got <= bound[step + 1].total
+            assert bound[step + 1].total == engine_flops(gather, 40, replay, 2, "executed",
+                                                         2)[step + 1].total
+    model = make_model(union, seed=3)
+    assert measured(lambda: model(ids)) <= forward_flops(union, 42, "executed", 2).total
