@@ -19,7 +19,8 @@ Per model, least squares of log kl_mean(d) = log A - (d - W) / tau over the dist
 W <= d < R_exact whose kl_mean is above `--floor` (below W the first window is cut too; from
 R_exact on the replay is exact and the KL is rounding), weighted by bytes: tau, A, the
 distances used, R^2 and the per-byte factor exp(1/tau) by which the KL falls per byte of
-replay. Per cell (a job: one W, L_d, L_e): the mean tau and tau / W over its models, with a
+replay. `--fit-until K` fits W <= d < K W only: the decay need not be one exponential (on
+real_text_law's models it steepens past 2W), and the near range is where N*_text falls. Per cell (a job: one W, L_d, L_e): the mean tau and tau / W over its models, with a
 bootstrap CI over models and the t-interval.
 
 The two laws, over every cell given (so give cells of one depth to ask about W alone):
@@ -145,12 +146,14 @@ def _shape(path: Path) -> dict:
 
 
 def fit_decay(distance: np.ndarray, kl: np.ndarray, weight: np.ndarray, window: int,
-              r_exact: int, floor: float = FLOOR) -> dict:
+              r_exact: int, floor: float = FLOOR, until: float | None = None) -> dict:
     """One model's fit of log kl = log A - (d - W) / tau over W <= d < R_exact with kl > floor
-    (distance, kl, weight: shape (distances,)): tau, A, distances (how many were used),
-    last_distance (the largest used), r2, per_byte_factor (NaN with fewer than two usable
-    distances; tau NaN where the KL does not fall)."""
-    keep = (distance >= window) & (distance < r_exact) & (kl > floor)
+    (distance, kl, weight: shape (distances,)), and d < until * W where `until` is given (the
+    near range only: the decay need not be one exponential all the way): tau, A, distances
+    (how many were used), last_distance (the largest used), r2, per_byte_factor (NaN with
+    fewer than two usable distances; tau NaN where the KL does not fall)."""
+    end = r_exact if until is None else min(r_exact, until * window)
+    keep = (distance >= window) & (distance < end) & (kl > floor)
     x, w = distance[keep] - float(window), weight[keep].astype(float)
     out = {"tau": math.nan, "A": math.nan, "distances": int(keep.sum()),
            "last_distance": float(distance[keep].max()) if keep.any() else math.nan,
@@ -171,13 +174,16 @@ def fit_decay(distance: np.ndarray, kl: np.ndarray, weight: np.ndarray, window: 
             math.nan, "per_byte_factor": math.exp(1 / tau) if slope < 0 else math.nan}
 
 
-def fit_models(table: pd.DataFrame, runs: dict | None, floor: float = FLOOR) -> pd.DataFrame:
-    """decay_models.csv: per checkpoint (rows: models) its geometry and `fit_decay`."""
+def fit_models(table: pd.DataFrame, runs: dict | None, floor: float = FLOOR,
+               until: float | None = None) -> pd.DataFrame:
+    """decay_models.csv: per checkpoint (rows: models) its geometry and `fit_decay` (over
+    W <= d < until * W where `until` is given)."""
     rows = []
     for checkpoint, part in table.groupby("checkpoint", sort=True):
         info = geometry(checkpoint, runs)
         fit = fit_decay(part["distance"].to_numpy(float), part["kl_mean"].to_numpy(float),
-                        part["bytes"].to_numpy(float), info["W"], info["R_exact"], floor)
+                        part["bytes"].to_numpy(float), info["W"], info["R_exact"], floor,
+                        until)
         rows.append({"checkpoint": checkpoint, **info, **fit,
                      "tau_over_W": fit["tau"] / info["W"]})
     return pd.DataFrame(rows).sort_values(["W", "L_d", "L_e", "job", "seed"],
@@ -482,14 +488,16 @@ def _n_star_markdown(replays: pd.DataFrame, extrapolation: pd.DataFrame, level: 
 
 def report(sources: list[Path], floor: float, resamples: int, alpha: float,
            models: pd.DataFrame, cells: pd.DataFrame, laws: pd.DataFrame | None,
-           refusal: str | None, n_star: tuple | None = None) -> str:
+           refusal: str | None, n_star: tuple | None = None,
+           until: float | None = None) -> str:
     """decay.md: the fits per model, the cells, the laws (or why there are none) and, given
     (replays, extrapolation[, synthetic]) as `n_star`, N*_text (and the synthetic N* beside)."""
     level = f"{100 * (1 - alpha):.0f}%"
     md = ["# How the cost of bounded replay decays with distance (python -m analysis.decay)",
           "", f"From {', '.join(map(str, sources))}. Per model, log mean KL = log A - (d - W)"
-          f" / tau over W <= d < R_exact with mean KL > {floor:g}, least squares weighted by "
-          "bytes; per_byte_factor = exp(1/tau), the factor the KL falls by per byte.", "",
+          f" / tau over W <= d < R_exact{'' if until is None else f' and d < {until:g} W'} with"
+          f" mean KL > {floor:g}, least squares weighted by bytes; per_byte_factor = "
+          "exp(1/tau), the factor the KL falls by per byte.", "",
           "## Models", "", markdown(models, [c for c in MODEL_COLUMNS if c in models], digits=4),
           f"## Cells ({level} CIs: ci, bootstrap over models, {resamples} draws; t, "
           "Student t over models)", "",
@@ -571,17 +579,18 @@ def synthetic_beside_text(synthetic: pd.DataFrame, runs: dict, cells: pd.DataFra
 def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float = FLOOR,
           resamples: int = 2000, alpha: float = 0.05, classes: list[Path] = (),
           bar: float = BAR, window: int = V41_WINDOW,
-          synthetic: tuple[Path, list[Path]] | None = None) -> tuple[dict, str | None]:
+          synthetic: tuple[Path, list[Path]] | None = None,
+          until: float | None = None) -> tuple[dict, str | None]:
     """Every output into `out`: ({name: path}, the laws' refusal or None). `studies`: study
     directories or archives whose runs give the geometry of checkpoints that are gone;
     `classes`: the readings' kl_by_class.csv, for N*_text and its extrapolation to `window`;
     `synthetic`: (analysis.reach's models.csv, its study's directories or archives), for
-    `synthetic_beside_text` (needs `classes`)."""
+    `synthetic_beside_text` (needs `classes`); `until`: fit W <= d < until * W only."""
     if synthetic is not None and not classes:
         raise ValueError("--synthetic needs --kl-by-class (N*_text is what it is put beside)")
     table = read_tables(sources)
     runs = runs_of(list(studies))
-    models = fit_models(table, runs, floor)
+    models = fit_models(table, runs, floor, until)
     cells = cell_table(models, resamples, alpha)
     n_star = (n_star_tables(list(classes), models, cells, bar, window, resamples, alpha)
               if classes else None)
@@ -607,7 +616,7 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
     figure(table, models, laws, floor).savefig(written["figure"], dpi=110)
     written["markdown"] = out / "decay.md"
     written["markdown"].write_text(report(sources, floor, resamples, alpha, models, cells,
-                                          laws, refusal, n_star))
+                                          laws, refusal, n_star, until))
     return written, refusal
 
 
@@ -631,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         f"the relative change of perplexity N*_text allows (default {BAR:g}: 0.1%%)"))
     parser.add_argument("--to-window", type=int, default=V41_WINDOW, help=(
         f"the window N*_text is extrapolated to (default {V41_WINDOW}, V4.1's)"))
+    parser.add_argument("--fit-until", type=float, default=None, metavar="WINDOWS", help=(
+        "fit only W <= d < WINDOWS x W (e.g. 2: the near range, where N*_text falls; the "
+        "decay steepens further out); default: up to R_exact"))
     parser.add_argument("--synthetic", type=Path, default=None, help=(
         "analysis.reach's models.csv of a synthetic study (e.g. findings/encoder_w/models.csv):"
         " its N* per model beside N*_text for cells of the same W, L_d and L_e (needs "
@@ -644,12 +656,15 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.bar < 1 or args.to_window < 1:
             raise ValueError(f"--bar must lie in (0, 1) and --to-window be >= 1; got "
                              f"{args.bar}, {args.to_window}")
+        if args.fit_until is not None and args.fit_until <= 1:
+            raise ValueError(f"--fit-until must be above 1 (windows past d = W); got "
+                             f"{args.fit_until}")
         if (args.synthetic is None) != (not args.synthetic_study):
             raise ValueError("--synthetic and --synthetic-study go together")
         written, refusal = write(args.kl_by_position, args.out, args.study, args.floor,
                                  args.resamples, args.alpha, args.kl_by_class, args.bar,
                                  args.to_window, (args.synthetic, args.synthetic_study)
-                                 if args.synthetic is not None else None)
+                                 if args.synthetic is not None else None, args.fit_until)
     except (FileNotFoundError, ValueError) as error:
         print(f"analysis.decay: {error}", file=sys.stderr)
         return 2

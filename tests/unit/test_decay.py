@@ -349,3 +349,29 @@ def test_the_synthetic_suite_is_put_beside_the_cells_of_its_geometry(tmp_path):
     pd.DataFrame(rows).drop(columns="N_star").to_csv(tmp_path / "bad.csv", index=False)
     assert decay.main([*base, *classes, "--synthetic", str(tmp_path / "bad.csv"),
                        *beside[2:]]) == 2
+
+
+def test_fit_until_reads_the_near_range_of_a_decay_that_steepens(tmp_path):
+    """A KL whose decay length is 0.4 W up to 2W and 0.2 W past it: the whole-range fit lands
+    between the two, --fit-until 2 recovers the near one (0.4 W, within 1%), and a
+    --fit-until at or below 1 is refused (exit 2)."""
+    rows, window, r_exact = [], 16, 61
+    final = write_config(tmp_path / "s", "L4_W16", 0, window, 4)
+    d = np.arange(1, r_exact + window)
+    near, far = 0.4 * window, 0.2 * window
+    log_kl = np.where(d < 2 * window, -(d - window) / near,
+                      -window / near - (d - 2 * window) / far) + np.log(0.05)
+    kl = np.where(d < window, BEFORE_W, np.exp(log_kl))
+    kl[d >= r_exact] = FROM_R_EXACT
+    table = pd.DataFrame({"checkpoint": str(final), "distance": d, "bytes": 10_000,
+                          "kl_mean": kl})
+    whole = decay.fit_models(table, None)["tau"].iloc[0]
+    first = decay.fit_models(table, None, until=2)["tau"].iloc[0]
+    assert far < whole < near and first == pytest.approx(near, rel=0.01)
+    table.to_csv(tmp_path / "pos.csv", index=False)
+    args = ["--kl-by-position", str(tmp_path / "pos.csv"), "--out", str(tmp_path / "out")]
+    assert decay.main([*args, "--fit-until", "2"]) == 2      # one W: the laws are refused
+    fitted = pd.read_csv(tmp_path / "out" / "decay_models.csv")
+    assert fitted["tau"].iloc[0] == pytest.approx(near, rel=0.01)
+    assert "d < 2 W" in (tmp_path / "out" / "decay.md").read_text()
+    assert decay.main([*args, "--fit-until", "1"]) == 2
