@@ -20,8 +20,9 @@ W <= d < R_exact whose kl_mean is above `--floor` (below W the first window is c
 R_exact on the replay is exact and the KL is rounding), weighted by bytes: tau, A, the
 distances used, R^2 and the per-byte factor exp(1/tau) by which the KL falls per byte of
 replay. `--fit-until K` fits W <= d < K W only: the decay need not be one exponential (on
-real_text_law's models it steepens past 2W), and the near range is where N*_text falls. Per cell (a job: one W, L_d, L_e): the mean tau and tau / W over its models, with a
-bootstrap CI over models and the t-interval.
+real_text_law's models it steepens past 2W), and the near range is where N*_text falls. Per
+cell (a job: one W, L_d, L_e): the mean tau and tau / W over its models, with a bootstrap CI
+over models and the t-interval.
 
 The two laws, over every cell given (so give cells of one depth to ask about W alone):
   per_token    tau = tau0       log tau = c            the decay is a number of tokens
@@ -47,8 +48,8 @@ grid's N*_text beside it is the measured check.
 
 The synthetic suite beside it, with `--synthetic findings/encoder_w/models.csv --synthetic-study
 findings/encoder_w/archive`: per real-text cell, every synthetic job of the same W, L_d and L_e
-(E4_L4 beside T4_W8, E8_L8_s2500 beside T8_W8), its N* per model (min, median, max, over W)
-and the distance it is censored at, beside N*_text.
+(E4_L4 beside T4_W8, E8_L8_s2500 beside T8_W8), its N* per model (min, median, max; the
+median over W) and the distance it is censored at, beside N*_text.
 
 Writes decay_models.csv, decay_cells.csv, decay_laws.csv, decay.png (log KL against d - W per
 model with its fit; tau against W per model with both laws' fits) and decay.md into --out;
@@ -209,7 +210,8 @@ def cell_table(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05,
         fitted = part.dropna(subset=["tau"])
         if fitted.empty:
             raise ValueError(f"cell {job}: no model with a decay fit (no two distances "
-                             "W <= d < R_exact above the floor with a falling KL)")
+                             "W <= d < R_exact, and below --fit-until's end where given, above "
+                             "the floor with a falling KL)")
         first = part.iloc[0]
         tau = _mean_intervals(fitted["tau"].to_numpy(float), "tau", resamples, alpha, seed)
         rows.append({"job": job, **{k: int(first[k]) for k in ("W", "L_d", "L_e", "R_exact")},
@@ -367,7 +369,8 @@ def model_n_star(classes: pd.DataFrame, bar: float = BAR) -> pd.Series:
 
 def n_star_text(replays: pd.DataFrame) -> pd.Series:
     """Per cell (index: job) the smallest N read whose change of perplexity is within the bar
-    at its upper bound; NaN where none is (N*_text lies beyond the grid)."""
+    at its upper bound; NaN where none is: N*_text lies beyond the grid, or the cell has one
+    model (no interval; its model's own reading is `model_n_star`)."""
     passing = replays[replays["within_bar"]]
     found = passing.groupby("job")["N"].min()
     return found.reindex(replays["job"].unique()).astype(float)
@@ -480,7 +483,8 @@ def _n_star_markdown(replays: pd.DataFrame, extrapolation: pd.DataFrame, level: 
     if synthetic is not None:
         md += ["## The synthetic suite's N* beside N*_text (cells of the same W, L_d and L_e; "
                "a synthetic N* is censored at its largest competent distance, N*_text at "
-               "R_exact)", "",
+               "R_exact; a blank N*_text: beyond the grid, or one model, without an interval)",
+               "",
                markdown(synthetic, list(synthetic.columns), digits=4) if not synthetic.empty
                else "No synthetic job shares a real-text cell's W, L_d and L_e."]
     return md
@@ -537,27 +541,35 @@ def _spread(values: np.ndarray, name: str) -> dict:
 
 
 SYNTHETIC_REQUIRED = ("job", "seed", "N_star", "largest_competent_d", "horizon")
+SYNTHETIC_COLUMNS = ["cell", "W", "L_d", "L_e", "R_exact", "n_star_text", "n_star_text_over_W",
+                     "text_tau_over_W", "text_models", "synthetic_job", "synthetic_models",
+                     "synthetic_n_star_min", "synthetic_n_star_median", "synthetic_n_star_max",
+                     "largest_competent_d_median", "horizon", "synthetic_n_star_over_W"]
 
 
 def synthetic_beside_text(synthetic: pd.DataFrame, runs: dict, cells: pd.DataFrame
                           ) -> pd.DataFrame:
     """decay_synthetic.csv: per real-text cell and synthetic job of the same W, L_d and L_e
-    (rows: such pairs) the synthetic suite's N* per model and its median, both over W, its
+    (rows: such pairs; SYNTHETIC_COLUMNS) the synthetic suite's N* per model (min, median,
+    max) and the median over W, its
     largest competent distance and horizon (its N* is censored there), beside the cell's
     N*_text and its grid's end (R_exact) and tau / W. synthetic: `analysis.reach`'s models.csv
     (one row a model; N_star NaN where no bin was competent); runs: the synthetic study's
     `runs_of`, for each job's geometry; cells: `cell_table` with n_star_text. ValueError for a
-    synthetic model without a trained run in `runs`."""
+    synthetic model (any of a job's seeds) without a trained run in `runs`."""
     missing = [c for c in SYNTHETIC_REQUIRED if c not in synthetic]
     if missing:
         raise ValueError(f"--synthetic: no column(s) {missing} (analysis.reach's models.csv)")
+    if synthetic[["job", "seed"]].isna().any(axis=None):
+        raise ValueError("--synthetic: a row without a job or seed (analysis.reach's "
+                         "models.csv names every model)")
     rows = []
     for job, part in synthetic.groupby("job", sort=True):
-        label = RunId(str(job), int(part["seed"].iloc[0])).model
-        if (runs or {}).get(label, {}).get("final") is None:
-            raise ValueError(f"--synthetic: model {label} has no final/config.json under "
+        labels = [RunId(str(job), int(seed)).model for seed in part["seed"]]
+        if gone := [m for m in labels if (runs or {}).get(m, {}).get("final") is None]:
+            raise ValueError(f"--synthetic: model(s) {gone} have no final/config.json under "
                              "--synthetic-study (its archive or study directory)")
-        shape = _shape(runs[label]["final"])
+        shape = _shape(runs[labels[0]]["final"])
         same = cells[(cells["W"] == shape["W"]) & (cells["L_d"] == shape["L_d"])
                      & (cells["L_e"] == shape["L_e"])]
         n_star = part["N_star"].to_numpy(float)
@@ -569,10 +581,9 @@ def synthetic_beside_text(synthetic: pd.DataFrame, runs: dict, cells: pd.DataFra
                          **_spread(n_star, "synthetic_n_star"),
                          "largest_competent_d_median": float(
                              part["largest_competent_d"].median()),
-                         "horizon": int(part["horizon"].max())})
-    frame = pd.DataFrame(rows)
-    if not frame.empty:
-        frame["synthetic_n_star_over_W"] = frame["synthetic_n_star_median"] / frame["W"]
+                         "horizon": float(part["horizon"].max())})
+    frame = pd.DataFrame(rows, columns=SYNTHETIC_COLUMNS[:-1])
+    frame["synthetic_n_star_over_W"] = frame["synthetic_n_star_median"] / frame["W"]
     return frame
 
 
@@ -594,6 +605,9 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
     cells = cell_table(models, resamples, alpha)
     n_star = (n_star_tables(list(classes), models, cells, bar, window, resamples, alpha)
               if classes else None)
+    if n_star is not None and synthetic is not None:      # before anything is written
+        n_star = (*n_star, synthetic_beside_text(pd.read_csv(synthetic[0]),
+                                                 runs_of(list(synthetic[1])), cells))
     laws, refusal = None, None
     try:
         laws, _ = compare_laws(law_frame(models), resamples, alpha)
@@ -606,9 +620,6 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
     (laws if laws is not None else pd.DataFrame(columns=["law"])).to_csv(
         written["laws"], index=False, float_format="%.6g")
     if n_star is not None:
-        if synthetic is not None:
-            n_star = (*n_star, synthetic_beside_text(pd.read_csv(synthetic[0]),
-                                                     runs_of(list(synthetic[1])), cells))
         for name, frame in zip(("replays", "extrapolation", "synthetic"), n_star):
             written[name] = out / f"decay_{name}.csv"
             frame.to_csv(written[name], index=False, float_format="%.6g")
@@ -656,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < args.bar < 1 or args.to_window < 1:
             raise ValueError(f"--bar must lie in (0, 1) and --to-window be >= 1; got "
                              f"{args.bar}, {args.to_window}")
-        if args.fit_until is not None and args.fit_until <= 1:
+        if args.fit_until is not None and not args.fit_until > 1:    # NaN too
             raise ValueError(f"--fit-until must be above 1 (windows past d = W); got "
                              f"{args.fit_until}")
         if (args.synthetic is None) != (not args.synthetic_study):

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("step", "eval"):
         paired = [a / b for a, b in zip(times["A", kind], times["B", kind])]
         print(f"  {kind}: A {statistics.median(times['A', kind]):.3f} s, "
-              f"B {statistics.median(times['B', kind]):.3f} s, A / B {statistics.median(paired):.3f}")
+              f"B {statistics.median(times['B', kind]):.3f} s, "
+              f"A / B {statistics.median(paired):.3f}")
     return 0
 
 

@@ -23,9 +23,9 @@ not FLOPs here. Two countings of the attention-side terms:
     matmul, span the entries visible to the block's last query (a gathered top-k read: its k
     slots per query; a union read, `global_read=union`, an upper bound: the block's queries
     times k, or the visible entries where `attend` may fall back to the masked read, since
-    the union's width depends on the picks); the lightning indexer of a Full/Reindex layer scores, per block, the
-    entries visible to the block's last query; the SwiGLU runs at its padded width
-    (`executed_ff_dim`). The attention terms are the reference kernel's matmuls
+    the union's width depends on the picks); the lightning indexer of a Full/Reindex layer
+    scores, per block, the entries visible to the block's last query; the SwiGLU runs at its
+    padded width (`executed_ff_dim`). The attention terms are the reference kernel's matmuls
     (`ced.attention.attention_kernel("reference")`); the fused CPU kernel does the same products
     per block, except that a plain causal read is one call whose upper blocks it skips.
     Tests hold this equal to FlopCounterMode on the real model, per inference mode.

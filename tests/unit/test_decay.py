@@ -375,3 +375,27 @@ def test_fit_until_reads_the_near_range_of_a_decay_that_steepens(tmp_path):
     assert fitted["tau"].iloc[0] == pytest.approx(near, rel=0.01)
     assert "d < 2 W" in (tmp_path / "out" / "decay.md").read_text()
     assert decay.main([*args, "--fit-until", "1"]) == 2
+
+
+def test_a_synthetic_model_without_its_run_is_refused_before_anything_is_written(tmp_path):
+    """Every seed of a synthetic job must have its run (not only the first); a refusal leaves
+    --out as it was; no matching job still writes a table with its columns."""
+    one_reading(tmp_path, (8, 16))
+    synthetic = tmp_path / "syn"
+    write_config(synthetic, "S_W8", 0, 8, 4)
+    rows = [{"job": "S_W8", "seed": seed, "W": 8, "N_star": 16, "largest_competent_d": 24,
+             "horizon": 24} for seed in (0, 99)]
+    pd.DataFrame(rows).to_csv(tmp_path / "models.csv", index=False)
+    out = tmp_path / "out"
+    args = ["--kl-by-position", str(tmp_path / "pos.csv"), "--out", str(out), "--resamples",
+            "30", "--kl-by-class", str(tmp_path / "cls.csv"), "--synthetic-study",
+            str(synthetic), "--synthetic"]
+    assert decay.main([*args, str(tmp_path / "models.csv")]) == 2
+    assert not out.exists()
+    pd.DataFrame([{**rows[0], "W": 32}]).assign(job="S_W32").to_csv(tmp_path / "none.csv",
+                                                                    index=False)
+    write_config(synthetic, "S_W32", 0, 32, 4)
+    assert decay.main([*args, str(tmp_path / "none.csv")]) == 0
+    table = pd.read_csv(out / "decay_synthetic.csv")
+    assert table.empty and list(table.columns) == decay.SYNTHETIC_COLUMNS
+    assert decay.main([*args[:-5], "--fit-until", "nan"]) == 2

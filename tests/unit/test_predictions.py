@@ -144,3 +144,29 @@ def test_cli_exit_codes(repo, tmp_path_factory):
     assert predictions.main([str(PATH), "--provenance", str(prov), "--repo", str(repo)]) == 0
     _commit(repo, "rewritten\n", "rewrite", "2000-01-01T03:00:00+00:00")
     assert predictions.main([str(PATH), "--provenance", str(prov), "--repo", str(repo)]) == 1
+
+
+def test_the_cli_checks_a_real_text_studys_prediction(tmp_path, monkeypatch):
+    """`python -m analysis.findings --study DIR` on a real-text study (real_text/, no suite/)
+    publishes it and then checks its prediction: prediction_check.json beside findings.md."""
+    import json
+    study, out = tmp_path / "study", tmp_path / "out"
+    (study / "real_text").mkdir(parents=True)
+
+    def publish(study_dir, target):
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "findings.md").write_text("# published\n")
+        return {"findings": target / "findings.md"}
+
+    class Checked:
+        def to_dict(self):
+            return {"ok": True}
+
+        def line(self):
+            return "prediction toy: registered before the first run"
+
+    monkeypatch.setattr(findings, "publish", publish)
+    monkeypatch.setattr(findings, "check_prediction", lambda info, target: Checked())
+    assert findings.main(["--study", str(study), "--out", str(out)]) == 0
+    assert json.loads((out / "prediction_check.json").read_text()) == {"ok": True}
+    assert "registered before the first run" in (out / "findings.md").read_text()
