@@ -671,7 +671,8 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
     of tensors the layers of a call share, so that it is built once a call). Each block's
     rules become KeySets; the one softmax over all of them and the sink is taken by the fused
     CPU kernel for every block at once (`_FlashRead`) or by `joint_read` per block (the
-    reference: bf16 gathers, other devices): the same quantity. Training, parallel evaluation and the engine all run through it.
+    reference: bf16 gathers, other devices): the same quantity. Training, parallel evaluation
+    and the engine all run through it.
     """
     b, h, n_queries, dh = q.shape
     q = q * (1.0 / math.sqrt(dh))      # scaled once here rather than every block's logits

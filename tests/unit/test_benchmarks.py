@@ -16,6 +16,7 @@ sys.path.insert(0, str(BENCH))
 import gpu_check  # noqa: E402
 import learning  # noqa: E402
 import peer  # noqa: E402
+import window_read  # noqa: E402
 
 
 def test_gpu_check_exactness_routine_holds_on_cpu():
@@ -197,3 +198,20 @@ def test_peer_compile_modes_compile_the_modules_they_name():
         assert all(compiled(block) == (mode == "all") for block in gpt.blocks)
     with pytest.raises(SystemExit):      # the compiling step would be timed
         peer.main(["--compile", "pointwise", "--warmup", "0", "--shapes", "1x8"])
+
+
+@pytest.mark.parametrize("window,block", [(1, 4), (3, 4), (8, 8), (5, 16), (20, 8)])
+def test_window_read_forms_compute_attends_window_read(window, block):
+    """The banded reads the window benchmark times against `attend`'s rectangle give its output
+    in float64 (tolerance 1e-10), windows shorter than, equal to and longer than a block, over
+    seeds: the timing compares the same computation."""
+    for seed in range(3):
+        assert window_read.check_agree(window, block, seed) < 1e-10
+
+
+def test_window_read_benchmark_prints_every_form(capsys):
+    assert window_read.main(["--batch", "1", "--length", "32", "--heads", "2", "--head-dim", "4",
+                             "--block", "8", "--rounds", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    for name in window_read.READS:
+        assert f"rectangle / {name}" in out
