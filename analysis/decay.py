@@ -24,7 +24,8 @@ real_text_law's models it steepens past 2W), and the near range is where N*_text
 cell (a job: one W, L_d, L_e): the mean tau and tau / W over its models, with a bootstrap CI
 over models and the t-interval.
 
-The two laws, over every cell given (so give cells of one depth to ask about W alone):
+The two laws, at each depth (L_d, L_e) whose cells span two windows or more, on its own (cells
+of another depth would put depth into the fit; a depth of one window is named as not compared):
   per_token    tau = tau0       log tau = c            the decay is a number of tokens
   per_window   tau = k W        log tau = log W + c    the decay is a number of windows
 decided by (a) the exponent beta of tau = k W^beta (least squares of log tau on log W over
@@ -41,8 +42,8 @@ at most `--bar` (0.1%). Its extrapolation to a wider window (`--to-window`, V4.1
 each law: per model the distance at which its fitted KL falls to `--bar` nats a byte,
 W + tau ln(A / bar) (W where A is already below), i.e. an excess of replay over W; per token
 the excess is a number of bytes (N = W' + excess), per window a number of windows
-(N = W' (1 + excess / W)); the estimate averages cells (each cell's mean over its models), its
-interval draws models within cells. A KL of `bar` nats a byte is about a `bar` relative change
+(N = W' (1 + excess / W)); the estimate averages a depth's cells (each cell's mean over its
+models), its interval draws models within cells. A KL of `bar` nats a byte is about a `bar` relative change
 of perplexity (exp(dnll) - 1 ~ dnll ~ KL when the exact model is close to the text's law); the
 grid's N*_text beside it is the measured check.
 
@@ -51,11 +52,16 @@ findings/encoder_w/archive`: per real-text cell, every synthetic job of the same
 (E4_L4 beside T4_W8, E8_L8_s2500 beside T8_W8), its N* per model (min, median, max; the
 median over W) and the distance it is censored at, beside N*_text.
 
-Writes decay_models.csv, decay_cells.csv, decay_laws.csv, decay.png (log KL against d - W per
-model with its fit; tau against W per model with both laws' fits) and decay.md into --out;
-with --kl-by-class also decay_replays.csv (per cell and N: the change of perplexity and its
-interval), N*_text in decay_cells.csv and decay_extrapolation.csv; with --synthetic,
-decay_synthetic.csv.
+The encoder's effect, with `--kl-by-class`: cells of the same W and L_d whose encoders differ
+(from two studies, e.g. real_text_law's T8_W8 and real_text's ced_L8) are paired at N = W: each
+cell's mean KL per byte and change of perplexity, and the deeper encoder's over the shallower's
+with intervals (`analysis.decay_beside.encoder_effect`).
+
+Writes decay_models.csv, decay_cells.csv, decay_laws.csv (rows per depth), decay.png (log KL
+against d - W per model with its fit; tau against W per model with each depth's fits) and
+decay.md into --out; with --kl-by-class also decay_replays.csv (per cell and N: the change of
+perplexity and its interval), N*_text in decay_cells.csv, decay_extrapolation.csv (rows per
+depth) and decay_encoder.csv; with --synthetic, decay_synthetic.csv.
 """
 
 from __future__ import annotations
@@ -70,14 +76,13 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from ced.checkpoint import CheckpointError, load_config
-from ced.config import exact_replay_length
 from ced.run_id import RunId
 from ced.tracking import job_and_seed
 from evals.suites.stats import bootstrap_means, percentile_interval, seed_t_test
 
 from .laws import (Law, add_bootstrap_options, bootstrap_scores, held_out, scores,
                    within_cells)
+from .decay_beside import encoder_effect, shape_of, synthetic_beside_text
 from .publish import markdown
 from .report import load_runs
 
@@ -88,11 +93,13 @@ FLOOR = 1e-9
 LAWS = (Law("per_token", "tau = tau0", "zero", False),
         Law("per_window", "tau = k W", "log_W", False))
 GEOMETRY = ("job", "seed", "W", "L_d", "L_e", "R_exact")
+DEPTH = ("L_d", "L_e")
 # The change of perplexity an engine accepts from bounded replay: 0.1% (N*_text's bar: the
 # smallest N whose relative change of perplexity stays under it), and V4.1's window, where
 # N*_text is extrapolated.
 BAR, V41_WINDOW = 0.001, 128
-CLASS_REQUIRED = ("checkpoint", "job", "level", "replay", "N", "group", "dnll_mean")
+CLASS_REQUIRED = ("checkpoint", "job", "level", "replay", "N", "group", "dnll_mean",
+                  "kl_mean")
 
 
 def read_readings(paths: list[Path], required: tuple[str, ...], name: str,
@@ -133,17 +140,7 @@ def geometry(checkpoint: str, runs: dict | None) -> dict:
             raise FileNotFoundError(f"{checkpoint}: no config.json there, nor a run {job}/seed"
                                     f"{seed} with final/config.json under --study")
         path = run["final"]
-    return {"job": job, "seed": seed, **_shape(path)}
-
-
-def _shape(path: Path) -> dict:
-    """W, L_d, L_e and R_exact of the checkpoint directory `path`."""
-    try:
-        cfg = load_config(path)
-    except CheckpointError as error:
-        raise ValueError(str(error)) from None
-    return {"W": cfg.window, "L_d": cfg.n_decoder_layers, "L_e": cfg.n_encoder_layers,
-            "R_exact": exact_replay_length(cfg)}
+    return {"job": job, "seed": seed, **shape_of(path)}
 
 
 def fit_decay(distance: np.ndarray, kl: np.ndarray, weight: np.ndarray, window: int,
@@ -252,6 +249,26 @@ def exponent_t_interval(frame: pd.DataFrame, alpha: float = 0.05) -> tuple[float
     half = float(stats.t.ppf(1 - alpha / 2, len(x) - 2)) * math.sqrt(
         spread / ((x - x.mean()) ** 2).sum())
     return float(slope - half), float(slope + half)
+
+
+def law_table(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05
+              ) -> tuple[pd.DataFrame | None, list[str]]:
+    """decay_laws.csv over each depth (L_d, L_e) whose fitted models span two windows or more,
+    its rows led by L_d and L_e (`compare_laws` per depth: the laws ask how tau grows with W at
+    one depth, and cells of another depth would put depth into beta), and why each other depth
+    was not compared; (None, why) where none was."""
+    tables, why = [], []
+    for (l_d, l_e), part in models.groupby(list(DEPTH), sort=True):
+        try:
+            laws, _ = compare_laws(law_frame(part), resamples, alpha)
+        except ValueError as error:
+            why.append(f"L_d = {l_d}, L_e = {l_e}: {error}")
+            continue
+        tables.append(laws.assign(L_d=int(l_d), L_e=int(l_e)))
+    if not tables:
+        return None, why
+    laws = pd.concat(tables, ignore_index=True)
+    return laws[[*DEPTH, *[c for c in laws if c not in DEPTH]]], why
 
 
 def law_draws(frame: pd.DataFrame, resamples: int, rng: np.random.Generator) -> np.ndarray:
@@ -413,6 +430,16 @@ def extrapolate(models: pd.DataFrame, window: int = V41_WINDOW, bar: float = BAR
                           "N_over_W": point[i] / window} for i, law in enumerate(LAWS)])
 
 
+def extrapolate_depths(models: pd.DataFrame, window: int = V41_WINDOW, bar: float = BAR,
+                       resamples: int = 2000, alpha: float = 0.05) -> pd.DataFrame:
+    """decay_extrapolation.csv: `extrapolate` at each depth (L_d, L_e) on its own, rows led by
+    L_d and L_e (a law's constant is a depth's: averaging over depths would mix them)."""
+    parts = [extrapolate(part, window, bar, resamples, alpha).assign(L_d=int(l_d), L_e=int(l_e))
+             for (l_d, l_e), part in models.groupby(list(DEPTH), sort=True)]
+    table = pd.concat(parts, ignore_index=True)
+    return table[[*DEPTH, *[c for c in table if c not in DEPTH]]]
+
+
 def _decay_panel(ax, table: pd.DataFrame, models: pd.DataFrame, floor: float) -> None:
     """log KL against d - W per model (points above the floor), coloured by W, with its fit
     over the distances it used."""
@@ -435,14 +462,19 @@ def _decay_panel(ax, table: pd.DataFrame, models: pd.DataFrame, floor: float) ->
 
 
 def _tau_panel(ax, models: pd.DataFrame, laws: pd.DataFrame | None) -> None:
-    """tau per model against W, with the per-token and per-window fits when there are laws."""
-    ax.scatter(models["W"], models["tau"], s=14, color="0.3", label="models")
-    if laws is not None:
-        w = np.geomspace(models["W"].min(), models["W"].max(), 20)
-        fits = laws.set_index("law")["estimate"]
-        ax.plot(w, np.full_like(w, fits["per_token"]), "--", label="per token: tau = tau0")
-        ax.plot(w, fits["per_window"] * w, ":", label="per window: tau = k W")
-        ax.legend(fontsize=7)
+    """tau per model against W (a marker per depth), with each depth's per-token and
+    per-window fits where it has laws."""
+    for marker, ((l_d, l_e), part) in zip("osD^v<>p*", models.groupby(list(DEPTH))):
+        ax.scatter(part["W"], part["tau"], s=14, marker=marker, color="0.3",
+                   label=f"models, L_d {l_d}, L_e {l_e}")
+    for (l_d, l_e), fit in (laws.groupby(list(DEPTH)) if laws is not None else ()):
+        at = models[(models["L_d"] == l_d) & (models["L_e"] == l_e)]
+        w, fits = np.geomspace(at["W"].min(), at["W"].max(), 20), fit.set_index("law")["estimate"]
+        ax.plot(w, np.full_like(w, fits["per_token"]), "--",
+                label=f"per token: tau = tau0 (L_d {l_d}, L_e {l_e})")
+        ax.plot(w, fits["per_window"] * w, ":", label=f"per window: tau = k W (L_d {l_d}, "
+                f"L_e {l_e})")
+    ax.legend(fontsize=7)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("W (bytes)")
@@ -492,10 +524,11 @@ def _n_star_markdown(replays: pd.DataFrame, extrapolation: pd.DataFrame, level: 
 
 def report(sources: list[Path], floor: float, resamples: int, alpha: float,
            models: pd.DataFrame, cells: pd.DataFrame, laws: pd.DataFrame | None,
-           refusal: str | None, n_star: tuple | None = None,
-           until: float | None = None) -> str:
-    """decay.md: the fits per model, the cells, the laws (or why there are none) and, given
-    (replays, extrapolation[, synthetic]) as `n_star`, N*_text (and the synthetic N* beside)."""
+           why: list[str], n_star: tuple | None = None, until: float | None = None,
+           encoder: pd.DataFrame | None = None) -> str:
+    """decay.md: the fits per model, the cells, the laws per depth (and why a depth has none)
+    and, given (replays, extrapolation[, synthetic]) as `n_star`, N*_text (and the synthetic N*
+    beside), and the encoder's effect (`encoder_effect`)."""
     level = f"{100 * (1 - alpha):.0f}%"
     md = ["# How the cost of bounded replay decays with distance (python -m analysis.decay)",
           "", f"From {', '.join(map(str, sources))}. Per model, log mean KL = log A - (d - W)"
@@ -507,21 +540,27 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
           "Student t over models)", "",
           markdown(cells, [c for c in [*CELL_COLUMNS, "n_star_text", "n_star_text_over_W"]
                            if c in cells], digits=4),
-          "## The laws", ""]
-    if laws is None:
-        md.append(f"Not compared: {refusal}.")
-    else:
+          "## The laws (per depth L_d, L_e)", ""]
+    if laws is not None:
         md += [f"log tau per cell held out in turn; {level} CIs from {resamples} draws of "
                "models within cells.", "",
                markdown(laws, [c for c in laws.columns if c not in ("cells",)], digits=4)]
+    md += [f"Not compared at {reason}." for reason in why]
     if n_star is not None:
         md += _n_star_markdown(*n_star[:2], level, *n_star[2:])
+    if encoder is not None:
+        md += ["", "## The encoder's effect (cells at the same W and L_d, encoders of "
+               f"different depth, read at N = W; {level} Student t over models; the ratios "
+               "deeper / base with bootstrap intervals drawing models within each cell)", "",
+               markdown(encoder, list(encoder.columns), digits=4) if not encoder.empty
+               else "No two cells share W and L_d with encoders of different depth."]
     return "\n".join(md) + "\n"
 
 
 def n_star_tables(classes_paths: list[Path], models: pd.DataFrame, cells: pd.DataFrame,
                   bar: float, window: int, resamples: int, alpha: float) -> tuple:
-    """(replays, extrapolation) of `replay_table` and `extrapolate`; adds n_star_text and
+    """(replays, extrapolation, the classes read) of `replay_table` and `extrapolate_depths`;
+    adds n_star_text and
     n_star_text_over_W to `cells` and each model's own point reading, n_star_point, to
     `models` in place."""
     classes = read_classes(classes_paths)
@@ -530,61 +569,7 @@ def n_star_tables(classes_paths: list[Path], models: pd.DataFrame, cells: pd.Dat
     found = n_star_text(replays)
     cells["n_star_text"] = cells["job"].map(found)
     cells["n_star_text_over_W"] = cells["n_star_text"] / cells["W"]
-    return replays, extrapolate(models, window, bar, resamples, alpha)
-
-
-def _spread(values: np.ndarray, name: str) -> dict:
-    """{name_min, name_median, name_max} over the finite values (NaN for none)."""
-    finite = values[np.isfinite(values)]
-    stats = (finite.min(), np.median(finite), finite.max()) if finite.size else (math.nan,) * 3
-    return {f"{name}_{k}": float(v) for k, v in zip(("min", "median", "max"), stats)}
-
-
-SYNTHETIC_REQUIRED = ("job", "seed", "N_star", "largest_competent_d", "horizon")
-SYNTHETIC_COLUMNS = ["cell", "W", "L_d", "L_e", "R_exact", "n_star_text", "n_star_text_over_W",
-                     "text_tau_over_W", "text_models", "synthetic_job", "synthetic_models",
-                     "synthetic_n_star_min", "synthetic_n_star_median", "synthetic_n_star_max",
-                     "largest_competent_d_median", "horizon", "synthetic_n_star_over_W"]
-
-
-def synthetic_beside_text(synthetic: pd.DataFrame, runs: dict, cells: pd.DataFrame
-                          ) -> pd.DataFrame:
-    """decay_synthetic.csv: per real-text cell and synthetic job of the same W, L_d and L_e
-    (rows: such pairs; SYNTHETIC_COLUMNS) the synthetic suite's N* per model (min, median,
-    max) and the median over W, its
-    largest competent distance and horizon (its N* is censored there), beside the cell's
-    N*_text and its grid's end (R_exact) and tau / W. synthetic: `analysis.reach`'s models.csv
-    (one row a model; N_star NaN where no bin was competent); runs: the synthetic study's
-    `runs_of`, for each job's geometry; cells: `cell_table` with n_star_text. ValueError for a
-    synthetic model (any of a job's seeds) without a trained run in `runs`."""
-    missing = [c for c in SYNTHETIC_REQUIRED if c not in synthetic]
-    if missing:
-        raise ValueError(f"--synthetic: no column(s) {missing} (analysis.reach's models.csv)")
-    if synthetic[["job", "seed"]].isna().any(axis=None):
-        raise ValueError("--synthetic: a row without a job or seed (analysis.reach's "
-                         "models.csv names every model)")
-    rows = []
-    for job, part in synthetic.groupby("job", sort=True):
-        labels = [RunId(str(job), int(seed)).model for seed in part["seed"]]
-        if gone := [m for m in labels if (runs or {}).get(m, {}).get("final") is None]:
-            raise ValueError(f"--synthetic: model(s) {gone} have no final/config.json under "
-                             "--synthetic-study (its archive or study directory)")
-        shape = _shape(runs[labels[0]]["final"])
-        same = cells[(cells["W"] == shape["W"]) & (cells["L_d"] == shape["L_d"])
-                     & (cells["L_e"] == shape["L_e"])]
-        n_star = part["N_star"].to_numpy(float)
-        for cell in same.itertuples():
-            rows.append({"cell": cell.job, **shape, "n_star_text": cell.n_star_text,
-                         "n_star_text_over_W": cell.n_star_text / shape["W"],
-                         "text_tau_over_W": cell.tau_over_W_mean, "text_models": cell.models,
-                         "synthetic_job": job, "synthetic_models": len(part),
-                         **_spread(n_star, "synthetic_n_star"),
-                         "largest_competent_d_median": float(
-                             part["largest_competent_d"].median()),
-                         "horizon": float(part["horizon"].max())})
-    frame = pd.DataFrame(rows, columns=SYNTHETIC_COLUMNS[:-1])
-    frame["synthetic_n_star_over_W"] = frame["synthetic_n_star_median"] / frame["W"]
-    return frame
+    return replays, extrapolate_depths(models, window, bar, resamples, alpha), classes
 
 
 def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float = FLOOR,
@@ -603,31 +588,31 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
     runs = runs_of(list(studies))
     models = fit_models(table, runs, floor, until)
     cells = cell_table(models, resamples, alpha)
-    n_star = (n_star_tables(list(classes), models, cells, bar, window, resamples, alpha)
-              if classes else None)
+    n_star = encoder = None
+    if classes:
+        *n_star, read = n_star_tables(list(classes), models, cells, bar, window, resamples,
+                                      alpha)
+        encoder = encoder_effect(read, models, "W", resamples, alpha)
     if n_star is not None and synthetic is not None:      # before anything is written
         n_star = (*n_star, synthetic_beside_text(pd.read_csv(synthetic[0]),
                                                  runs_of(list(synthetic[1])), cells))
-    laws, refusal = None, None
-    try:
-        laws, _ = compare_laws(law_frame(models), resamples, alpha)
-    except ValueError as error:
-        refusal = str(error)
+    laws, why = law_table(models, resamples, alpha)
+    refusal = "; ".join(why) if laws is None else None
     out.mkdir(parents=True, exist_ok=True)
     written = {name: out / f"decay_{name}.csv" for name in ("models", "cells", "laws")}
     models.to_csv(written["models"], index=False, float_format="%.6g")
     cells.to_csv(written["cells"], index=False, float_format="%.6g")
     (laws if laws is not None else pd.DataFrame(columns=["law"])).to_csv(
         written["laws"], index=False, float_format="%.6g")
-    if n_star is not None:
-        for name, frame in zip(("replays", "extrapolation", "synthetic"), n_star):
-            written[name] = out / f"decay_{name}.csv"
-            frame.to_csv(written[name], index=False, float_format="%.6g")
+    tables = dict(zip(("replays", "extrapolation", "synthetic"), n_star or ()))
+    for name, frame in (tables | ({"encoder": encoder} if encoder is not None else {})).items():
+        written[name] = out / f"decay_{name}.csv"
+        frame.to_csv(written[name], index=False, float_format="%.6g")
     written["figure"] = out / "decay.png"
     figure(table, models, laws, floor).savefig(written["figure"], dpi=110)
     written["markdown"] = out / "decay.md"
     written["markdown"].write_text(report(sources, floor, resamples, alpha, models, cells,
-                                          laws, refusal, n_star, until))
+                                          laws, why, n_star, until, encoder))
     return written, refusal
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import decay
+from analysis import decay, decay_beside
 from ced.config import ModelConfig
 
 # off-curve values where the fit must not look: below W (the first window is cut too), at and
@@ -48,16 +48,20 @@ def curve(window: int, layers: int, tau: float, amplitude: float, noise: float,
 
 def fabricate(root, law: str, seed: int = 0, windows=(8, 16, 32), layers: int = 4,
               models: int = 4, spread: float = 0.05, noise: float = 0.1,
-              rounding_every: int = 0) -> tuple[pd.DataFrame, dict]:
-    """A kl_by_position table of `models` per W (one cell per W at L_d = layers) whose tau is
-    3 bytes at every W (law per_token) or 0.4 W (per_window), each model's tau scattered by
-    exp(N(0, spread)); and {checkpoint: its true tau}."""
+              rounding_every: int = 0, encoder: int = 2, scale: float = 1.0
+              ) -> tuple[pd.DataFrame, dict]:
+    """A kl_by_position table of `models` per W (one cell per W at L_d = layers and L_e =
+    encoder: job L<layers>_W<W>, E<encoder>_L<layers>_W<W> for an encoder other than 2) whose
+    tau is 3 bytes at every W (law per_token) or 0.4 W (per_window), times `scale`, each
+    model's tau scattered by exp(N(0, spread)); and {checkpoint: its true tau}."""
     rng = np.random.default_rng(seed)
     parts, truth = [], {}
     for window in windows:
+        job = f"L{layers}_W{window}" if encoder == 2 else f"E{encoder}_L{layers}_W{window}"
         for k in range(models):
-            final = write_config(root, f"L{layers}_W{window}", k, window, layers)
-            tau = (3.0 if law == "per_token" else 0.4 * window) * np.exp(rng.normal(0, spread))
+            final = write_config(root, job, k, window, layers, encoder)
+            tau = scale * (3.0 if law == "per_token" else 0.4 * window) * np.exp(
+                rng.normal(0, spread))
             truth[str(final)] = tau
             parts.append(curve(window, layers, tau, 0.05 * np.exp(rng.normal(0, 0.3)), noise,
                                rng, rounding_every).assign(checkpoint=str(final)))
@@ -187,7 +191,8 @@ def classes_for(checkpoints: dict, windows: dict, dppl: dict) -> pd.DataFrame:
         for form, multiple in (("W/2", 0.5), ("W", 1), ("2W", 2), ("4W", 4)):
             change = dppl[job][form] * (1 + 0.05 * (k % 3))     # models differ a little
             base = {"checkpoint": checkpoint, "job": job, "replay": form,
-                    "N": int(multiple * windows[job]), "dnll_mean": np.log1p(change)}
+                    "N": int(multiple * windows[job]), "dnll_mean": np.log1p(change),
+                    "kl_mean": 0.9 * change}
             rows += [{**base, "level": "model", "group": "all"},
                      {**base, "level": "model", "group": "identifier_far", "dnll_mean": 9.0},
                      {**base, "level": "seeds", "group": "all", "dnll_mean": 9.0}]
@@ -397,5 +402,70 @@ def test_a_synthetic_model_without_its_run_is_refused_before_anything_is_written
     write_config(synthetic, "S_W32", 0, 32, 4)
     assert decay.main([*args, str(tmp_path / "none.csv")]) == 0
     table = pd.read_csv(out / "decay_synthetic.csv")
-    assert table.empty and list(table.columns) == decay.SYNTHETIC_COLUMNS
+    assert table.empty and list(table.columns) == decay_beside.SYNTHETIC_COLUMNS
     assert decay.main([*args[:-5], "--fit-until", "nan"]) == 2
+
+
+def test_the_laws_are_fitted_at_each_depth_alone(tmp_path):
+    """Cells of another depth (L_d = 8, one window, tau 3x as long) beside three windows at
+    L_d = 4 leave the L_d = 4 laws exactly as fitted alone (pooled, beta would move), are
+    named as not compared (one window), and get their own extrapolation row."""
+    four, _ = fabricate(tmp_path / "a", "per_window", models=3)
+    eight, _ = fabricate(tmp_path / "b", "per_window", windows=(8,), layers=8, models=3,
+                         scale=3.0)
+    alone = decay.compare_laws(decay.law_frame(decay.fit_models(four, None)), 50)[0]
+    both = decay.fit_models(pd.concat([four, eight], ignore_index=True), None)
+    laws, why = decay.law_table(both, 50)
+    assert set(zip(laws["L_d"], laws["L_e"])) == {(4, 2)} and len(why) == 1
+    assert "L_d = 8, L_e = 2" in why[0] and "two windows" in why[0]
+    got = laws.set_index("law").loc["exponent", "estimate"]
+    assert got == pytest.approx(alone.set_index("law").loc["exponent", "estimate"], rel=1e-12)
+    pooled = decay.exponent(decay.law_frame(both))
+    assert abs(pooled - got) > 0.1
+    extrapolated = decay.extrapolate_depths(both, resamples=50)
+    assert sorted(set(zip(extrapolated["L_d"], extrapolated["law"]))) == [
+        (4, "per_token"), (4, "per_window"), (8, "per_token"), (8, "per_window")]
+    assert (extrapolated[extrapolated["L_d"] == 8]["cells"] == 1).all()
+    only_eight, why = decay.law_table(decay.fit_models(eight, None), 50)
+    assert only_eight is None and len(why) == 1
+
+
+def test_the_encoders_effect_pairs_cells_of_one_w_and_decoder_depth(tmp_path):
+    """Cells at W = 8 and L_d = 4 with encoders of 2 and 4 layers form one pair (the shallower
+    as base), read at N = W: the ratios of the cells' mean KL and change of perplexity, their
+    bootstrap intervals around them, each side's t-interval; cells without a partner (W = 16,
+    or another decoder depth) form none. Through the CLI: decay_encoder.csv and its section."""
+    base, _ = fabricate(tmp_path / "a", "per_window", windows=(8, 16), models=3)
+    deep, _ = fabricate(tmp_path / "b", "per_window", windows=(8,), models=3, encoder=4)
+    other, _ = fabricate(tmp_path / "c", "per_window", windows=(8,), layers=8, models=3)
+    table = pd.concat([base, deep, other], ignore_index=True)
+    table.to_csv(tmp_path / "pos.csv", index=False)
+    cells = {c: c.split("/runs/")[1].split("/")[0] for c in table["checkpoint"].unique()}
+    windows = {job: int(job.split("_W")[1]) for job in cells.values()}
+    at_w = {"L4_W8": 0.01, "L4_W16": 0.01, "E4_L4_W8": 0.004, "L8_W8": 0.03}
+    classes = classes_for(cells, windows, {job: {"W/2": 0.05, "W": v, "2W": 0.0005, "4W": 1e-6}
+                                           for job, v in at_w.items()})
+    classes.to_csv(tmp_path / "cls.csv", index=False)
+    models = decay.fit_models(table, None)
+    read = classes[(classes["level"] == "model") & (classes["group"] == "all")]
+    pairs = decay_beside.encoder_effect(read, models, "W", resamples=300)
+    assert len(pairs) == 1
+    pair = pairs.iloc[0]
+    assert (pair["base"], pair["base_L_e"], pair["deeper"], pair["deeper_L_e"]) == (
+        "L4_W8", 2, "E4_L4_W8", 4)
+    at = read[read["replay"] == "W"].assign(job=lambda t: t["checkpoint"].map(cells))
+    kl = at.groupby("job")["kl_mean"].mean()
+    assert pair["kl_ratio"] == pytest.approx(kl["E4_L4_W8"] / kl["L4_W8"], rel=1e-12)
+    assert pair["dppl_ratio"] == pytest.approx(0.4, rel=0.1)
+    for name in ("kl_ratio", "dppl_ratio"):
+        assert pair[f"{name}_ci_low"] <= pair[name] <= pair[f"{name}_ci_high"]
+    for side in ("base", "deeper"):
+        assert pair[f"{side}_models"] == 3
+        assert pair[f"{side}_kl_t_low"] < pair[f"{side}_kl"] < pair[f"{side}_kl_t_high"]
+    out = tmp_path / "out"
+    assert decay.main(["--kl-by-position", str(tmp_path / "pos.csv"), "--out", str(out),
+                       "--kl-by-class", str(tmp_path / "cls.csv"), "--resamples", "30"]) == 0
+    written = pd.read_csv(out / "decay_encoder.csv")
+    assert list(written.columns) == decay_beside.ENCODER_COLUMNS and len(written) == 1
+    md = (out / "decay.md").read_text()
+    assert "The encoder's effect" in md and "Not compared at L_d = 4, L_e = 4" in md
