@@ -698,14 +698,13 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
             key_sets.append(KeySet(window.k[:, :, first:last], window.v[:, :, first:last],
                                    hidden, causal=causal))
             spans.append((_WINDOW_SLOT, first))
-        masked, idx = False, None
+        masked, idx, union = False, None, None
         if source is not None:
             n_read = int(n_visible[c1 - 1])
             if sparse:
                 idx = selection.index[:, c0:c1]
                 masked = global_read_is_masked(global_read, c1 - c0, n_read, idx.shape[-1],
                                                h // source.k.shape[1])
-            union = None
             if sparse and global_read == "union":
                 union, rows, hidden = shared(masks, union_of_picks, selection.index,
                                              selection.valid, c0, c1, n_read,
@@ -734,8 +733,7 @@ def attend(q: Tensor, query_positions: Tensor, lower: Tensor | None, window: Win
                 key_sets.append(KeySet(entry_k[:, :, :n_read], entry_v[:, :, :n_read], hidden,
                                        causal=causal))
                 spans.append((_ENTRY_SLOT, 0))
-        blocks.append((c0, c1, key_sets, spans, idx, masked,
-                       union if source is not None else None))
+        blocks.append((c0, c1, key_sets, spans, idx, masked, union))
 
     wants_mass = want_global_probs and source is not None
     global_probs = []
