@@ -59,7 +59,8 @@ with intervals (`analysis.decay_beside.encoder_effect`).
 
 Writes decay_models.csv, decay_cells.csv, decay_laws.csv (rows per depth), decay.png (log KL
 against d - W per model with its fit; tau against W per model with each depth's fits) and
-decay.md into --out; with --kl-by-class also decay_replays.csv (per cell and N: the change of
+decay.md into --out (with --kl-by-class a third panel: the change of perplexity against N / W per
+cell, beside the bar); with --kl-by-class also decay_replays.csv (per cell and N: the change of
 perplexity and its interval), N*_text in decay_cells.csv, decay_extrapolation.csv (rows per
 depth) and decay_encoder.csv; with --synthetic, decay_synthetic.csv.
 """
@@ -481,14 +482,37 @@ def _tau_panel(ax, models: pd.DataFrame, laws: pd.DataFrame | None) -> None:
     ax.set_ylabel("tau (bytes)")
 
 
+def _replay_panel(ax, replays: pd.DataFrame, cells: pd.DataFrame, bar: float) -> None:
+    """Per cell the change of perplexity against N / W: its mean over models (line) and the
+    upper t-bound N*_text is read at (markers), beside the bar. Values at or below 1e-8 (a
+    replay at R_exact is exact up to rounding, and may read as a tiny negative) are drawn at
+    1e-8."""
+    shown = 1e-8
+    for cell in cells.itertuples():
+        part = replays[replays["job"] == cell.job].sort_values("N").drop_duplicates("N")
+        x = part["N"] / cell.W
+        line, = ax.plot(x, part["dppl_mean"].clip(lower=shown), "-", lw=1,
+                        label=f"{cell.job} (W {cell.W}, L_d {cell.L_d}, L_e {cell.L_e})")
+        ax.plot(x, part["dppl_t_high"].clip(lower=shown), "^", ms=4, color=line.get_color())
+    ax.axhline(bar, color="0.4", ls="--", lw=1, label=f"bar {bar:g}")
+    ax.set_yscale("log")
+    ax.set_xlabel("replay N / W")
+    ax.set_ylabel("perplexity change (mean; ^ upper t-bound)")
+    ax.legend(fontsize=6)
+
+
 def figure(table: pd.DataFrame, models: pd.DataFrame, laws: pd.DataFrame | None,
-           floor: float):
-    """decay.png: the decay per model (left) and tau against W (right)."""
-    fig = Figure(figsize=(11, 4.2))
-    left, right = fig.subplots(1, 2)
-    _decay_panel(left, table, models, floor)
-    _tau_panel(right, models, laws)
-    fig.suptitle("Cost of bounded replay on real text against distance, and its decay length")
+           floor: float, replays: tuple | None = None):
+    """decay.png: the decay per model (left), tau against W (middle) and, given (replays,
+    cells, bar), the change of perplexity against N / W per cell (right)."""
+    fig = Figure(figsize=(16.5 if replays is not None else 11, 4.2))
+    axes = fig.subplots(1, 3 if replays is not None else 2)
+    _decay_panel(axes[0], table, models, floor)
+    _tau_panel(axes[1], models, laws)
+    if replays is not None:
+        _replay_panel(axes[2], *replays)
+    fig.suptitle("Cost of bounded replay on real text against distance, its decay length"
+                 + (", and N*_text" if replays is not None else ""))
     fig.tight_layout()
     return fig
 
@@ -609,7 +633,8 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
         written[name] = out / f"decay_{name}.csv"
         frame.to_csv(written[name], index=False, float_format="%.6g")
     written["figure"] = out / "decay.png"
-    figure(table, models, laws, floor).savefig(written["figure"], dpi=110)
+    figure(table, models, laws, floor, (n_star[0], cells, bar) if n_star else None).savefig(
+        written["figure"], dpi=110)
     written["markdown"] = out / "decay.md"
     written["markdown"].write_text(report(sources, floor, resamples, alpha, models, cells,
                                           laws, why, n_star, until, encoder))

@@ -282,6 +282,13 @@ def test_the_cli_writes_n_star_text_beside_the_fits(tmp_path):
     assert len(pd.read_csv(out / "decay_replays.csv")) == 3 * 4
     assert "N*_text extrapolated to W = 64" in (out / "decay.md").read_text()
     assert decay.main([*args, "--bar", "2"]) == 2
+    # the figure's third panel: per cell the change against N / W, its t-bounds and the bar
+    table = pd.read_csv(tmp_path / "pos.csv")
+    fig = decay.figure(table, decay.fit_models(table, None), None, decay.FLOOR,
+                       (pd.read_csv(out / "decay_replays.csv"), got.reset_index(), 0.001))
+    replay_axis = fig.axes[2]
+    assert len(fig.axes) == 3 and replay_axis.get_xlabel() == "replay N / W"
+    assert len(replay_axis.get_lines()) == 2 * 3 + 1     # mean and bound per cell, the bar
 
 
 def test_two_studies_read_as_one(tmp_path):
