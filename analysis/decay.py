@@ -32,8 +32,9 @@ decided by (a) the exponent beta of tau = k W^beta (least squares of log tau on 
 models; beta near 0: per token, near 1: per window) and (b) held-out cells
 (`analysis.laws.held_out`: each cell left out, each law fitted on the other cells' models
 predicts its mean log tau; the RMSE over cells, in log tau). Every CI of the laws draws models
-within cells (`analysis.laws.within_cells`). Fewer than two distinct W: the per-model and
-per-cell tables are written and the laws refused (exit 2).
+within cells (`analysis.laws.within_cells`). Where no depth has two windows the per-model and
+per-cell tables are written and the laws refused (exit 2); a depth of one window beside one
+that has two is named as not compared (decay.md and stderr).
 
 N*_text, with `--kl-by-class` (the same readings' kl_by_class.csv): per cell and read replay N,
 each model's relative change of perplexity over every scored byte, exp(dnll_mean) - 1, and its
@@ -43,9 +44,9 @@ each law: per model the distance at which its fitted KL falls to `--bar` nats a 
 W + tau ln(A / bar) (W where A is already below), i.e. an excess of replay over W; per token
 the excess is a number of bytes (N = W' + excess), per window a number of windows
 (N = W' (1 + excess / W)); the estimate averages a depth's cells (each cell's mean over its
-models), its interval draws models within cells. A KL of `bar` nats a byte is about a `bar` relative change
-of perplexity (exp(dnll) - 1 ~ dnll ~ KL when the exact model is close to the text's law); the
-grid's N*_text beside it is the measured check.
+models), its interval draws models within cells. A KL of `bar` nats a byte is about a `bar`
+relative change of perplexity (exp(dnll) - 1 ~ dnll ~ KL when the exact model is close to the
+text's law); the grid's N*_text beside it is the measured check.
 
 The synthetic suite beside it, with `--synthetic findings/encoder_w/models.csv --synthetic-study
 findings/encoder_w/archive`: per real-text cell, every synthetic job of the same W, L_d and L_e
@@ -68,6 +69,7 @@ depth) and decay_encoder.csv; with --synthetic, decay_synthetic.csv.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -465,7 +467,8 @@ def _decay_panel(ax, table: pd.DataFrame, models: pd.DataFrame, floor: float) ->
 def _tau_panel(ax, models: pd.DataFrame, laws: pd.DataFrame | None) -> None:
     """tau per model against W (a marker per depth), with each depth's per-token and
     per-window fits where it has laws."""
-    for marker, ((l_d, l_e), part) in zip("osD^v<>p*", models.groupby(list(DEPTH))):
+    for marker, ((l_d, l_e), part) in zip(itertools.cycle("osD^v<>p*"),
+                                          models.groupby(list(DEPTH))):
         ax.scatter(part["W"], part["tau"], s=14, marker=marker, color="0.3",
                    label=f"models, L_d {l_d}, L_e {l_e}")
     for (l_d, l_e), fit in (laws.groupby(list(DEPTH)) if laws is not None else ()):
@@ -575,7 +578,8 @@ def report(sources: list[Path], floor: float, resamples: int, alpha: float,
     if encoder is not None:
         md += ["", "## The encoder's effect (cells at the same W and L_d, encoders of "
                f"different depth, read at N = W; {level} Student t over models; the ratios "
-               "deeper / base with bootstrap intervals drawing models within each cell)", "",
+               "deeper / base with bootstrap intervals drawing models within each cell; cells "
+               "of two studies may also differ in steps, precision and reading settings)", "",
                markdown(encoder, list(encoder.columns), digits=4) if not encoder.empty
                else "No two cells share W and L_d with encoders of different depth."]
     return "\n".join(md) + "\n"
@@ -600,8 +604,9 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
           resamples: int = 2000, alpha: float = 0.05, classes: list[Path] = (),
           bar: float = BAR, window: int = V41_WINDOW,
           synthetic: tuple[Path, list[Path]] | None = None,
-          until: float | None = None) -> tuple[dict, str | None]:
-    """Every output into `out`: ({name: path}, the laws' refusal or None). `studies`: study
+          until: float | None = None) -> tuple[dict, str | None, list[str]]:
+    """Every output into `out`: ({name: path}, the laws' refusal or None, why each depth
+    without laws was not compared). `studies`: study
     directories or archives whose runs give the geometry of checkpoints that are gone;
     `classes`: the readings' kl_by_class.csv, for N*_text and its extrapolation to `window`;
     `synthetic`: (analysis.reach's models.csv, its study's directories or archives), for
@@ -638,7 +643,7 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
     written["markdown"] = out / "decay.md"
     written["markdown"].write_text(report(sources, floor, resamples, alpha, models, cells,
                                           laws, why, n_star, until, encoder))
-    return written, refusal
+    return written, refusal, why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -682,10 +687,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{args.fit_until}")
         if (args.synthetic is None) != (not args.synthetic_study):
             raise ValueError("--synthetic and --synthetic-study go together")
-        written, refusal = write(args.kl_by_position, args.out, args.study, args.floor,
-                                 args.resamples, args.alpha, args.kl_by_class, args.bar,
-                                 args.to_window, (args.synthetic, args.synthetic_study)
-                                 if args.synthetic is not None else None, args.fit_until)
+        written, refusal, why = write(
+            args.kl_by_position, args.out, args.study, args.floor, args.resamples, args.alpha,
+            args.kl_by_class, args.bar, args.to_window, (args.synthetic, args.synthetic_study)
+            if args.synthetic is not None else None, args.fit_until)
     except (FileNotFoundError, ValueError) as error:
         print(f"analysis.decay: {error}", file=sys.stderr)
         return 2
@@ -695,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"analysis.decay: {refusal} (per-model and per-cell tables written)",
               file=sys.stderr)
         return 2
+    for reason in why:
+        print(f"analysis.decay: laws not compared at {reason}", file=sys.stderr)
     return 0
 
 

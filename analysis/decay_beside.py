@@ -93,10 +93,10 @@ ENCODER_COLUMNS = ["W", "L_d", "replay", *[c.format("base") for c in ENCODER_SID
 
 def _encoder_side(cell: pd.DataFrame, side: str, alpha: float) -> dict:
     """One cell's columns of decay_encoder.csv (ENCODER_SIDE named for `side`); cell: its
-    models with kl and dppl at the replay read."""
+    models with kl and dppl at the replay read (the columns describe those read there)."""
+    read = cell.dropna(subset=["kl"])
     row = {side: cell["job"].iloc[0], f"{side}_L_e": int(cell["L_e"].iloc[0]),
-           f"{side}_models": int(cell["kl"].notna().sum()),
-           f"{side}_tau_over_W": float(cell["tau_over_W"].mean())}
+           f"{side}_models": len(read), f"{side}_tau_over_W": float(read["tau_over_W"].mean())}
     for name in ("kl", "dppl"):
         values = cell[name].dropna().to_numpy(float)
         low, high, _ = seed_t_test(values, 1 - alpha) if values.size else (math.nan,) * 3
@@ -112,7 +112,11 @@ def encoder_effect(classes: pd.DataFrame, models: pd.DataFrame, replay: str = "W
     form such as "W"): each cell's models read there, their mean KL per byte and relative
     change of perplexity exp(dnll_mean) - 1 with Student t intervals over models, and mean tau
     / W; and the deeper cell's mean over the base cell's, for both, with a bootstrap interval
-    that draws models within each cell. classes: `read_classes` rows; models: `fit_models`."""
+    that draws models within each cell (none where a cell has fewer than two models read: its
+    spread would be missing from it; a change of perplexity near 0 in the base cell makes its
+    ratio unstable). A pair from two studies may differ in more than the encoder (steps,
+    precision, reading settings): the caller states it. classes: `read_classes` rows; models:
+    `fit_models`."""
     at = classes[classes["replay"] == replay].set_index("checkpoint")
     frame = models.assign(kl=models["checkpoint"].map(at["kl_mean"]).astype(float),
                           dppl=np.expm1(models["checkpoint"].map(at["dnll_mean"]).astype(float)))
@@ -130,12 +134,13 @@ def encoder_effect(classes: pd.DataFrame, models: pd.DataFrame, replay: str = "W
                        **_encoder_side(cells[1], "deeper", alpha)}
                 for name in ("kl", "dppl"):
                     a, b = (c[name].dropna().to_numpy(float) for c in cells)
-                    if not (a.size and b.size):
+                    if a.size:
+                        row[f"{name}_ratio"] = b.mean() / a.mean() if b.size else math.nan
+                    if min(a.size, b.size) < 2:     # one side without a spread: no interval
                         continue
                     draws = (b[rng.integers(0, b.size, (resamples, b.size))].mean(1)
                              / a[rng.integers(0, a.size, (resamples, a.size))].mean(1))
-                    row |= {f"{name}_ratio": b.mean() / a.mean(),
-                            f"{name}_ratio_ci_low": np.percentile(draws, lo),
+                    row |= {f"{name}_ratio_ci_low": np.percentile(draws, lo),
                             f"{name}_ratio_ci_high": np.percentile(draws, hi)}
                 rows.append(row)
     return pd.DataFrame(rows, columns=ENCODER_COLUMNS)

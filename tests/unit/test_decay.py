@@ -432,9 +432,30 @@ def test_the_laws_are_fitted_at_each_depth_alone(tmp_path):
     extrapolated = decay.extrapolate_depths(both, resamples=50)
     assert sorted(set(zip(extrapolated["L_d"], extrapolated["law"]))) == [
         (4, "per_token"), (4, "per_window"), (8, "per_token"), (8, "per_window")]
+    for l_d in (4, 8):       # each depth's rows are its models' extrapolation alone
+        alone = decay.extrapolate(both[both["L_d"] == l_d], resamples=50)
+        rows = extrapolated[extrapolated["L_d"] == l_d].reset_index(drop=True)
+        assert rows["N"].to_numpy() == pytest.approx(alone["N"].to_numpy(), rel=1e-12)
     assert (extrapolated[extrapolated["L_d"] == 8]["cells"] == 1).all()
     only_eight, why = decay.law_table(decay.fit_models(eight, None), 50)
     assert only_eight is None and len(why) == 1
+    # laws at two depths: the figure draws each depth's fits
+    sixteen, _ = fabricate(tmp_path / "c", "per_window", windows=(8, 16), layers=8, models=3)
+    two = decay.fit_models(pd.concat([four, sixteen], ignore_index=True), None)
+    laws, why = decay.law_table(two, 50)
+    assert set(laws["L_d"]) == {4, 8} and not why
+    labels = [line.get_label() for line in decay.figure(four, two, laws, decay.FLOOR)
+              .axes[1].get_lines()]
+    assert sum("per window" in label for label in labels) == 2
+
+
+def test_depths_of_one_window_each_are_refused_though_their_windows_differ(tmp_path, capsys):
+    """L_d = 4 at W = 8 and L_d = 8 at W = 16: two windows, but none at one depth, so no law
+    (exit 2, both depths named)."""
+    four, _ = fabricate(tmp_path / "a", "per_window", windows=(8,), models=3)
+    eight, _ = fabricate(tmp_path / "b", "per_window", windows=(16,), layers=8, models=3)
+    code, err = _run(tmp_path, pd.concat([four, eight], ignore_index=True), capsys)
+    assert code == 2 and "L_d = 4" in err and "L_d = 8" in err
 
 
 def test_the_encoders_effect_pairs_cells_of_one_w_and_decoder_depth(tmp_path):
@@ -469,6 +490,21 @@ def test_the_encoders_effect_pairs_cells_of_one_w_and_decoder_depth(tmp_path):
     for side in ("base", "deeper"):
         assert pair[f"{side}_models"] == 3
         assert pair[f"{side}_kl_t_low"] < pair[f"{side}_kl"] < pair[f"{side}_kl_t_high"]
+    # the interval draws both cells: with either cell's spread removed it narrows (in log
+    # ratio, which the flattened cell's level does not scale)
+    def log_width(row):
+        return np.log(row["kl_ratio_ci_high"] / row["kl_ratio_ci_low"])
+    for job in ("L4_W8", "E4_L4_W8"):
+        flat = read.assign(kl_mean=np.where(read["checkpoint"].map(cells) == job, 0.009,
+                                            read["kl_mean"]))
+        narrow = decay_beside.encoder_effect(flat, models, "W", resamples=300).iloc[0]
+        assert log_width(narrow) < log_width(pair), job
+    # a cell with one model read at N = W: its mean and the ratio, no interval
+    one = read[~((read["checkpoint"].map(cells) == "E4_L4_W8") & (read["replay"] == "W")
+                 & ~read["checkpoint"].str.contains("seed0"))]
+    single = decay_beside.encoder_effect(one, models, "W", resamples=300).iloc[0]
+    assert single["deeper_models"] == 1 and np.isfinite(single["kl_ratio"])
+    assert np.isnan(single["kl_ratio_ci_low"]) and np.isnan(single["deeper_kl_t_low"])
     out = tmp_path / "out"
     assert decay.main(["--kl-by-position", str(tmp_path / "pos.csv"), "--out", str(out),
                        "--kl-by-class", str(tmp_path / "cls.csv"), "--resamples", "30"]) == 0
