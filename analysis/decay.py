@@ -254,24 +254,29 @@ def exponent_t_interval(frame: pd.DataFrame, alpha: float = 0.05) -> tuple[float
     return float(slope - half), float(slope + half)
 
 
-def law_table(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05
-              ) -> tuple[pd.DataFrame | None, list[str]]:
-    """decay_laws.csv over each depth (L_d, L_e) whose fitted models span two windows or more,
-    its rows led by L_d and L_e (`compare_laws` per depth: the laws ask how tau grows with W at
-    one depth, and cells of another depth would put depth into beta), and why each other depth
-    was not compared; (None, why) where none was."""
+def per_depth(models: pd.DataFrame, build) -> tuple[pd.DataFrame | None, list[str]]:
+    """`build(part)` (a DataFrame) at each depth (L_d, L_e) of `models` on its own, the rows
+    led by L_d and L_e, and why each depth where `build` raised ValueError has none; (None,
+    why) where no depth has rows."""
     tables, why = [], []
     for (l_d, l_e), part in models.groupby(list(DEPTH), sort=True):
         try:
-            laws, _ = compare_laws(law_frame(part), resamples, alpha)
+            tables.append(build(part).assign(L_d=int(l_d), L_e=int(l_e)))
         except ValueError as error:
             why.append(f"L_d = {l_d}, L_e = {l_e}: {error}")
-            continue
-        tables.append(laws.assign(L_d=int(l_d), L_e=int(l_e)))
     if not tables:
         return None, why
-    laws = pd.concat(tables, ignore_index=True)
-    return laws[[*DEPTH, *[c for c in laws if c not in DEPTH]]], why
+    table = pd.concat(tables, ignore_index=True)
+    return table[[*DEPTH, *[c for c in table if c not in DEPTH]]], why
+
+
+def law_table(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05
+              ) -> tuple[pd.DataFrame | None, list[str]]:
+    """decay_laws.csv over each depth (L_d, L_e) whose fitted models span two windows or more
+    (`compare_laws` per depth: the laws ask how tau grows with W at one depth, and cells of
+    another depth would put depth into beta), and why each other depth was not compared;
+    (None, why) where none was."""
+    return per_depth(models, lambda part: compare_laws(law_frame(part), resamples, alpha)[0])
 
 
 def law_draws(frame: pd.DataFrame, resamples: int, rng: np.random.Generator) -> np.ndarray:
@@ -436,11 +441,12 @@ def extrapolate(models: pd.DataFrame, window: int = V41_WINDOW, bar: float = BAR
 def extrapolate_depths(models: pd.DataFrame, window: int = V41_WINDOW, bar: float = BAR,
                        resamples: int = 2000, alpha: float = 0.05) -> pd.DataFrame:
     """decay_extrapolation.csv: `extrapolate` at each depth (L_d, L_e) on its own, rows led by
-    L_d and L_e (a law's constant is a depth's: averaging over depths would mix them)."""
-    parts = [extrapolate(part, window, bar, resamples, alpha).assign(L_d=int(l_d), L_e=int(l_e))
-             for (l_d, l_e), part in models.groupby(list(DEPTH), sort=True)]
-    table = pd.concat(parts, ignore_index=True)
-    return table[[*DEPTH, *[c for c in table if c not in DEPTH]]]
+    L_d and L_e (a law's constant is a depth's: averaging over depths would mix them).
+    ValueError naming the depth where one has no model with a decay fit."""
+    table, why = per_depth(models, lambda part: extrapolate(part, window, bar, resamples, alpha))
+    if why:
+        raise ValueError(f"no extrapolation at {'; '.join(why)}")
+    return table
 
 
 def _decay_panel(ax, table: pd.DataFrame, models: pd.DataFrame, floor: float) -> None:
@@ -604,9 +610,9 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
           resamples: int = 2000, alpha: float = 0.05, classes: list[Path] = (),
           bar: float = BAR, window: int = V41_WINDOW,
           synthetic: tuple[Path, list[Path]] | None = None,
-          until: float | None = None) -> tuple[dict, str | None, list[str]]:
-    """Every output into `out`: ({name: path}, the laws' refusal or None, why each depth
-    without laws was not compared). `studies`: study
+          until: float | None = None) -> tuple[dict, pd.DataFrame | None, list[str]]:
+    """Every output into `out`: ({name: path}, the laws of `law_table` (None where no depth
+    has them), why each depth without laws was not compared). `studies`: study
     directories or archives whose runs give the geometry of checkpoints that are gone;
     `classes`: the readings' kl_by_class.csv, for N*_text and its extrapolation to `window`;
     `synthetic`: (analysis.reach's models.csv, its study's directories or archives), for
@@ -626,7 +632,6 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
         n_star = (*n_star, synthetic_beside_text(pd.read_csv(synthetic[0]),
                                                  runs_of(list(synthetic[1])), cells))
     laws, why = law_table(models, resamples, alpha)
-    refusal = "; ".join(why) if laws is None else None
     out.mkdir(parents=True, exist_ok=True)
     written = {name: out / f"decay_{name}.csv" for name in ("models", "cells", "laws")}
     models.to_csv(written["models"], index=False, float_format="%.6g")
@@ -643,7 +648,7 @@ def write(sources: list[Path], out: Path, studies: list[Path] = (), floor: float
     written["markdown"] = out / "decay.md"
     written["markdown"].write_text(report(sources, floor, resamples, alpha, models, cells,
                                           laws, why, n_star, until, encoder))
-    return written, refusal, why
+    return written, laws, why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -687,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{args.fit_until}")
         if (args.synthetic is None) != (not args.synthetic_study):
             raise ValueError("--synthetic and --synthetic-study go together")
-        written, refusal, why = write(
+        written, laws, why = write(
             args.kl_by_position, args.out, args.study, args.floor, args.resamples, args.alpha,
             args.kl_by_class, args.bar, args.to_window, (args.synthetic, args.synthetic_study)
             if args.synthetic is not None else None, args.fit_until)
@@ -696,8 +701,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, path in written.items():
         print(f"{name}: {path}")
-    if refusal is not None:
-        print(f"analysis.decay: {refusal} (per-model and per-cell tables written)",
+    if laws is None:
+        print(f"analysis.decay: {'; '.join(why)} (per-model and per-cell tables written)",
               file=sys.stderr)
         return 2
     for reason in why:

@@ -437,6 +437,9 @@ def test_the_laws_are_fitted_at_each_depth_alone(tmp_path):
         rows = extrapolated[extrapolated["L_d"] == l_d].reset_index(drop=True)
         assert rows["N"].to_numpy() == pytest.approx(alone["N"].to_numpy(), rel=1e-12)
     assert (extrapolated[extrapolated["L_d"] == 8]["cells"] == 1).all()
+    unfitted = both.assign(tau=np.where(both["L_d"] == 8, np.nan, both["tau"]))
+    with pytest.raises(ValueError, match="L_d = 8, L_e = 2: no model with a decay fit"):
+        decay.extrapolate_depths(unfitted, resamples=50)
     only_eight, why = decay.law_table(decay.fit_models(eight, None), 50)
     assert only_eight is None and len(why) == 1
     # laws at two depths: the figure draws each depth's fits
