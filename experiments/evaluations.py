@@ -247,8 +247,11 @@ class EvaluationSteps:
                      clear=[out / name for name in tool.cleared()], log=str(log))
 
     def lm_eval(self) -> None:
-        """lm-eval's CLI (`python -m evals.lmeval`) over the code tasks, per checkpoint and mode
-        (each a step skipped by hash), then `analysis.real_text.write_lm_eval` over all of them."""
+        """lm-eval's CLI (`python -m evals.lmeval`) over the code tasks, per checkpoint of the
+        `jobs=` jobs and mode (each a step skipped by hash), then
+        `analysis.real_text.write_lm_eval` over them and every other job's runs done with the
+        current inputs (a job outside `jobs=` is not run, and its finished runs stay in the
+        tables)."""
         spec = self.spec.evaluations.get("real_text")
         if spec is None or not (spec.lm_eval_modes or spec.lm_eval_turn_modes):
             return
@@ -258,7 +261,12 @@ class EvaluationSteps:
             self.record("lm_eval", "failed", error=f"real_text.lm_eval_jobs: no job(s) "
                         f"{unknown} in study {self.spec.name}")
             return
-        for tasks_step, runs in self._lm_eval_steps():
+        chosen = self.run_ids()
+        for tasks_step, runs in self._lm_eval_steps(all_jobs=True):
+            if tasks_step["label"] not in chosen:
+                current += [step["out"] for step in runs
+                            if step_decision(step, False)[0] == "skip"]
+                continue
             if not self._code_tasks(tasks_step):
                 continue
             for step in runs:
@@ -274,15 +282,15 @@ class EvaluationSteps:
         except (FileNotFoundError, ValueError) as exc:
             self.record("lm_eval", "failed", error=str(exc))
 
-    def _lm_eval_steps(self):
-        """Per checkpoint lm-eval reads, as they would run now: (its code-tasks step, its
-        lm-eval run steps, one per mode and task group)."""
+    def _lm_eval_steps(self, all_jobs: bool = False):
+        """Per checkpoint (of the `jobs=` jobs unless `all_jobs`) lm-eval reads, as they would
+        run now: (its code-tasks step, its lm-eval run steps, one per mode and task group)."""
         spec, root = self.spec.evaluations["real_text"], self.out / "real_text" / "lm_eval"
         args = ["--examples", str(spec.lm_eval_examples), "--context",
                 str(spec.lm_eval_context), "--min-distance", str(spec.lm_eval_min_distance),
                 *(["--max-files", str(spec.max_files)] if spec.max_files else [])]
         models = self.run_ids(all_jobs=True)
-        for label, (final, trained) in self.checkpoints(all_jobs=True).items():
+        for label, (final, trained) in self.checkpoints(all_jobs).items():
             if spec.lm_eval_jobs is not None and models[label].job not in spec.lm_eval_jobs:
                 continue
             cfg = load_config(final)

@@ -95,6 +95,34 @@ def test_a_second_run_skips_the_step(study):
     assert set(drops["mode"]) == {"replay=W"}                 # the stale replay=1 is not read
 
 
+def test_lm_eval_runs_the_jobs_asked_and_keeps_the_others_finished_runs(study, tmp_path):
+    """`jobs=[...]` limits lm-eval to those jobs' checkpoints, as it does every per model
+    step: with dense's run not done (its mode.txt gone), `jobs=[ced_L2]` neither plans nor
+    runs dense, and the tables hold ced_L2 alone; with dense's run done again, the same
+    invocation keeps dense's finished run in the tables without visiting it."""
+    out, _ = study
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    done = copy / "real_text" / "lm_eval" / "dense" / "seed0" / "ced_code" / "full" / "mode.txt"
+    mode = done.read_text()
+    done.unlink()
+    plan = run_study(copy, "only=plan", "tools=[lm_eval]", "jobs=[ced_L2]")
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    assert "lm_eval/ced_L2/seed0/ced_code/replay=W" in plan.stdout
+    assert "lm_eval/dense/seed0" not in plan.stdout
+    for dense_done in (False, True):
+        if dense_done:
+            done.write_text(mode)
+        again = run_study(copy, "only=eval", "tools=[lm_eval]", "jobs=[ced_L2]")
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+        assert "lm_eval/ced_L2/seed0/ced_code/replay=W: done before" in again.stdout
+        assert "dense/seed0" not in again.stdout and done.exists() == dense_done
+        accuracy = pd.read_csv(copy / "real_text" / "lm_eval_accuracy.csv")
+        assert set(accuracy["job"]) == ({"ced_L2", "dense"} if dense_done else {"ced_L2"})
+        drops = pd.read_csv(copy / "real_text" / "lm_eval.csv")
+        assert set(drops["job"]) == {"ced_L2"} and set(drops["mode"]) == {"replay=W"}
+
+
 def test_each_model_is_read_once_and_a_model_added_later_is_read_alone(study, tmp_path):
     """Every model is read in its own folder (real_text/<job>/seed<k>/) and the study's
     tables are merged from them. A study holding ced_L2 read and ced_L8 trained but unread
