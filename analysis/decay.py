@@ -73,6 +73,7 @@ import itertools
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -254,7 +255,8 @@ def exponent_t_interval(frame: pd.DataFrame, alpha: float = 0.05) -> tuple[float
     return float(slope - half), float(slope + half)
 
 
-def per_depth(models: pd.DataFrame, build) -> tuple[pd.DataFrame | None, list[str]]:
+def per_depth(models: pd.DataFrame, build: Callable[[pd.DataFrame], pd.DataFrame]
+              ) -> tuple[pd.DataFrame | None, list[str]]:
     """`build(part)` (a DataFrame) at each depth (L_d, L_e) of `models` on its own, the rows
     led by L_d and L_e, and why each depth where `build` raised ValueError has none; (None,
     why) where no depth has rows."""
@@ -272,8 +274,8 @@ def per_depth(models: pd.DataFrame, build) -> tuple[pd.DataFrame | None, list[st
 
 def law_table(models: pd.DataFrame, resamples: int = 2000, alpha: float = 0.05
               ) -> tuple[pd.DataFrame | None, list[str]]:
-    """decay_laws.csv over each depth (L_d, L_e) whose fitted models span two windows or more
-    (`compare_laws` per depth: the laws ask how tau grows with W at one depth, and cells of
+    """decay_laws.csv over each depth (L_d, L_e) whose fitted models span two windows or more,
+    rows led by L_d and L_e (`compare_laws` per depth: the laws ask how tau grows with W at one depth, and cells of
     another depth would put depth into beta), and why each other depth was not compared;
     (None, why) where none was."""
     return per_depth(models, lambda part: compare_laws(law_frame(part), resamples, alpha)[0])
@@ -444,8 +446,8 @@ def extrapolate_depths(models: pd.DataFrame, window: int = V41_WINDOW, bar: floa
     L_d and L_e (a law's constant is a depth's: averaging over depths would mix them).
     ValueError naming the depth where one has no model with a decay fit."""
     table, why = per_depth(models, lambda part: extrapolate(part, window, bar, resamples, alpha))
-    if why:
-        raise ValueError(f"no extrapolation at {'; '.join(why)}")
+    if table is None or why:
+        raise ValueError(f"no extrapolation at {'; '.join(why) or 'any depth: no model'}")
     return table
 
 

@@ -255,18 +255,13 @@ class EvaluationSteps:
         spec = self.spec.evaluations.get("real_text")
         if spec is None or not (spec.lm_eval_modes or spec.lm_eval_turn_modes):
             return
-        current: list[Path] = []        # the runs of this spec and these checkpoints only
         unknown = sorted(set(spec.lm_eval_jobs or []) - {j.name for j in self.spec.jobs})
         if unknown:
             self.record("lm_eval", "failed", error=f"real_text.lm_eval_jobs: no job(s) "
                         f"{unknown} in study {self.spec.name}")
             return
-        chosen = self.run_ids()
-        for tasks_step, runs in self._lm_eval_steps(all_jobs=True):
-            if tasks_step["label"] not in chosen:
-                current += [step["out"] for step in runs
-                            if step_decision(step, False)[0] == "skip"]
-                continue
+        current, left_out = self.lm_eval_others()
+        for tasks_step, runs in self._lm_eval_steps():
             if not self._code_tasks(tasks_step):
                 continue
             for step in runs:
@@ -278,9 +273,27 @@ class EvaluationSteps:
         try:
             written = write_lm_eval(self.out / "real_text" / "lm_eval", self.out / "real_text",
                                     runs=current)
-            self.record("lm_eval", "ok", out=str(written["lm_eval"]))
+            if left_out:        # said, as a merge says what it waits for
+                print(f"[study] lm_eval tables leave out {', '.join(left_out)}: not done with "
+                      "the current inputs, and outside jobs=", flush=True)
+            self.record("lm_eval", "ok", out=str(written["lm_eval"]), left_out=left_out)
         except (FileNotFoundError, ValueError) as exc:
             self.record("lm_eval", "failed", error=str(exc))
+
+    def lm_eval_others(self) -> tuple[list[Path], list[str]]:
+        """The lm-eval runs of the jobs outside `jobs=` (none when it is unset): (the folders of
+        those done with the current inputs, which the tables keep; the keys of the others,
+        which they leave out)."""
+        chosen, kept, left_out = self.run_ids(), [], []
+        for tasks_step, runs in self._lm_eval_steps(all_jobs=True):
+            if tasks_step["label"] in chosen:
+                continue
+            for step in runs:
+                if step_decision(step, False)[0] == "skip":
+                    kept.append(step["out"])
+                else:
+                    left_out.append(step["key"])
+        return kept, left_out
 
     def _lm_eval_steps(self, all_jobs: bool = False):
         """Per checkpoint (of the `jobs=` jobs unless `all_jobs`) lm-eval reads, as they would

@@ -67,6 +67,10 @@ def _plan_evaluations(study, pending: list[str]) -> list[dict]:
         else:
             for tasks_step, runs in study._lm_eval_steps():
                 rows += [_plan_step(study, step) for step in (tasks_step, *runs)]
+            left_out = study.lm_eval_others()[1]
+            if left_out:
+                rows.append(plan_row("lm_eval", "run", f"its tables leave out "
+                                     f"{', '.join(left_out)} (not done, outside jobs=)"))
     return rows
 
 

@@ -97,28 +97,35 @@ def test_a_second_run_skips_the_step(study):
 
 def test_lm_eval_runs_the_jobs_asked_and_keeps_the_others_finished_runs(study, tmp_path):
     """`jobs=[...]` limits lm-eval to those jobs' checkpoints, as it does every per model
-    step: with dense's run not done (its mode.txt gone), `jobs=[ced_L2]` neither plans nor
-    runs dense, and the tables hold ced_L2 alone; with dense's run done again, the same
-    invocation keeps dense's finished run in the tables without visiting it."""
+    step. dense's run not done (its mode.txt gone) or done with other inputs (another hash):
+    `jobs=[ced_L2]` neither plans nor runs dense, its tables hold ced_L2 alone, and the plan
+    and the run name the run they leave out. dense's run done again: the same invocation keeps
+    it in the tables without visiting it."""
     out, _ = study
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    done = copy / "real_text" / "lm_eval" / "dense" / "seed0" / "ced_code" / "full" / "mode.txt"
-    mode = done.read_text()
+    run = copy / "real_text" / "lm_eval" / "dense" / "seed0" / "ced_code" / "full"
+    done, stamp = run / "mode.txt", run / "study_step.json"
+    mode, record = done.read_text(), stamp.read_text()
+    left_out = "leave out lm_eval/dense/seed0/ced_code/full"
     done.unlink()
     plan = run_study(copy, "only=plan", "tools=[lm_eval]", "jobs=[ced_L2]")
     assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
-    assert "lm_eval/ced_L2/seed0/ced_code/replay=W" in plan.stdout
-    assert "lm_eval/dense/seed0" not in plan.stdout
-    for dense_done in (False, True):
-        if dense_done:
+    assert "plan lm_eval/ced_L2/seed0/ced_code/replay=W" in plan.stdout
+    assert "plan lm_eval/dense/seed0" not in plan.stdout and left_out in plan.stdout
+    for state in ("not done", "other inputs", "done"):
+        if state != "not done":
             done.write_text(mode)
+        stamp.write_text(record.replace(json.loads(record)["hash"], "0" * 12)
+                         if state == "other inputs" else record)
         again = run_study(copy, "only=eval", "tools=[lm_eval]", "jobs=[ced_L2]")
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
         assert "lm_eval/ced_L2/seed0/ced_code/replay=W: done before" in again.stdout
-        assert "dense/seed0" not in again.stdout and done.exists() == dense_done
+        assert "lm_eval dense/seed0" not in again.stdout, state      # not run
+        assert (left_out in again.stdout) == (state != "done"), state
         accuracy = pd.read_csv(copy / "real_text" / "lm_eval_accuracy.csv")
-        assert set(accuracy["job"]) == ({"ced_L2", "dense"} if dense_done else {"ced_L2"})
+        assert set(accuracy["job"]) == ({"ced_L2", "dense"} if state == "done"
+                                        else {"ced_L2"}), state
         drops = pd.read_csv(copy / "real_text" / "lm_eval.csv")
         assert set(drops["job"]) == {"ced_L2"} and set(drops["mode"]) == {"replay=W"}
 
