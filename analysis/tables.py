@@ -149,10 +149,13 @@ def capability_drop_table(results: pd.DataFrame, alpha: float = 0.05) -> pd.Data
     rows = []
     pooled = _with_pooled_x(results)
     for (job, family, x), part in pooled.groupby(["job", "family", "x"], sort=False):
-        full = part[part["mode"] == FULL]
-        if full.empty:
+        every_full = part[part["mode"] == FULL]
+        if every_full.empty:
             continue
         for mode in [m for m in part["mode"].unique() if m != FULL]:
+            # the models read under `mode`: one read at full only (an unfinished study) is
+            # no pair, and its full answers would move acc_full away from the pairs'
+            full = every_full[every_full["run"].isin(part.loc[part["mode"] == mode, "run"])]
             pair = pd.concat([full.assign(mode="0full"),
                               part[part["mode"] == mode].assign(mode="1mode")])
             b, c, n = _discordant(pair)

@@ -55,6 +55,15 @@ def test_drops_pool_pairs_over_seeds_and_keep_each_seed_beside():
     assert pooled["p_holm"] == pooled["p_value"]            # its own test
 
 
+def test_a_model_read_at_full_only_is_left_out_of_the_pairs():
+    """A third model read at full and not yet under the mode (an unfinished lm-eval) changes
+    nothing: the pairs, the seeds and acc_full are the two paired models' alone."""
+    both = capability_drop_table(fake_results(CELLS))
+    unfinished = fake_results(CELLS | {(2, 5): [(0, 0)] * 9, (2, 9): [(0, 0)] * 8})
+    unfinished = unfinished[(unfinished["train_seed"] != 2) | (unfinished["mode"] == "full")]
+    pd.testing.assert_frame_equal(capability_drop_table(unfinished), both)
+
+
 def test_models_that_read_the_same_documents_get_the_crossed_interval():
     """x=5 has 14 examples on seed 0 and 12 on seed 1 (different ids): the model-level CI is
     nested. Where both seeds read the same 8 ids (x=9, and a cell built here) it is crossed, and
