@@ -42,28 +42,35 @@ def mode_slug(mode: str) -> str:
 class EvaluationSteps:
     """`Study`'s evaluation steps (see the module's docstring for what they need)."""
 
-    def _fresh(self, label: str, step: dict) -> bool:
-        """True if `step` (a prepared evaluation step) is done with these inputs (skip it);
-        says so, or says what changed and that the step is rerun (`step_decision`)."""
-        action, reason = step_decision(step, self.repair)
+    def _fresh(self, label: str, step: dict) -> tuple[str, str]:
+        """What to do with `step` (a prepared evaluation step), said in one line
+        (`step_decision`): skip (done with these inputs), run, rerun (says what changed) or
+        refuse (it would drop models its last run read; on_change=rerun allows it)."""
+        action, reason = step_decision(step, self.repair, narrowing=self.on_change == "rerun")
         if action == "skip":
             print(f"[study] {label}: {reason}, skipped", flush=True)
         elif action == "rerun":
             print(f"[study] {label}: {reason}; rerunning", flush=True)
-        return action == "skip"
+        elif action == "refuse":
+            print(f"[study] {label}: REFUSED: {reason}", flush=True)
+        return action, reason
 
     def execute(self, step: dict, label: str, run: Callable[[], tuple[int, str]],
                 stamp: dict, title: str | None = None, clear: Iterable[Path] = (),
                 **failure: Any) -> bool:
         """The skeleton of every evaluation step. `step`: its key, out, done (the file whose
-        presence says it finished), hash and inputs. Skipped (and recorded so) when fresh;
-        else the old stamp and `clear` are removed, `title` announced, `run()` run (return
+        presence says it finished), hash and inputs. Skipped (and recorded so) when fresh,
+        refused (recorded so, its outputs kept) when it would drop models; else the old stamp and `clear` are removed, `title` announced, `run()` run (return
         code, last lines), and the step stamped (`step_record` with `stamp`) and recorded ok
         when it exits 0 and `done` exists, recorded failed otherwise (with `failure`'s extra
         fields). True when the step is done (skipped or ok)."""
         key, out, digest = step["key"], step["out"], step["hash"]
         run_id = step.get("run_id")
-        if self._fresh(label, step):
+        action, reason = self._fresh(label, step)
+        if action == "refuse":
+            self.record(key, "refused", reason=reason, out=str(out))
+            return False
+        if action == "skip":
             if run_id is not None and not (out / IDENTITY).exists():
                 write_run_id(out, run_id)       # a folder of an older driver, brought up to date
             self.record(key, "skipped", out=str(out), hash=digest)

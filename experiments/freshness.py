@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ced.checkpoint import WEIGHTS
 from ced.records import DamagedRecord, read_json, set_aside
 
 # the record each step leaves in its directory (the hash of its inputs, and the inputs)
@@ -105,15 +106,41 @@ def read_stamp(directory: Path, repair: bool = True) -> dict | None:
     return stamp
 
 
-def step_decision(step: dict, repair: bool = True) -> tuple[str, str]:
+def dropped_models(stamp: dict | None, step: dict) -> list[str]:
+    """The models a step over models read when it last ran (its record's `checkpoints`) that
+    it would not read now though they are still trained where they were: its study's runs
+    were narrowed (a `seeds=` of fewer seeds, a job taken out of the study file), so running
+    it would replace a reading of every model with one of some. Each as '<job>/seed<k>';
+    empty for a per model step (it records one `checkpoint`)."""
+    old = (stamp or {}).get("checkpoints")
+    reading = step.get("reading")
+    if not isinstance(old, list) or reading is None:
+        return []
+    now = set(reading.paths)
+    return [f"{Path(final).parent.parent.name}/{Path(final).parent.name}" for final in old
+            if final not in now and (Path(final) / WEIGHTS).exists()]
+
+
+def step_decision(step: dict, repair: bool = True,
+                  narrowing: bool = False) -> tuple[str, str]:
     """Whether an evaluation step runs, the one decision of a run and of only=plan: (skip |
-    run | rerun, reason). `step` holds its `out` directory, the `done` file its outputs end
-    with, the `hash` of its `inputs` and what the study file `written` for it; it is done when
-    `done` exists beside a record of the same hash, and a rerun names what changed."""
+    run | rerun | refuse, reason). `step` holds its `out` directory, the `done` file its
+    outputs end with, the `hash` of its `inputs` and what the study file `written` for it; it
+    is done when `done` exists beside a record of the same hash, and a rerun names what
+    changed. A step over models that would read fewer of the study's trained models than its
+    last run did (`dropped_models`) is refused, its outputs kept, unless `narrowing` (the
+    driver's on_change=rerun) allows it."""
     stamp = read_stamp(step["out"], repair)
     if step["done"].exists() and stamp is not None and stamp.get("hash") == step["hash"]:
         return "skip", f"done before with the same inputs (hash {step['hash']})"
     if not step["done"].exists():
         return "run", "not run yet"
+    dropped = [] if narrowing else dropped_models(stamp, step)
+    if dropped:
+        return "refuse", (f"it read {len(stamp['checkpoints'])} models when it last ran and "
+                          f"would now leave out {', '.join(dropped)}, still trained here but "
+                          "not among this invocation's runs (seeds=, or the study file's jobs); "
+                          "its outputs are kept: run without that seeds= to read every model, "
+                          "or with on_change=rerun to replace them")
     change = describe_step_change(stamp, step["hash"], step["inputs"], step.get("written"))
     return "rerun", f"inputs changed ({change})"

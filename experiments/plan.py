@@ -48,7 +48,7 @@ def _plan_training(study) -> list[dict]:
 
 def _plan_step(study, step: dict) -> dict:
     """The plan's line for one prepared evaluation step."""
-    action, reason = step_decision(step, study.repair)
+    action, reason = step_decision(step, study.repair, narrowing=study.on_change == "rerun")
     return plan_row(step["key"], action, reason, hash=step["hash"])
 
 

@@ -180,7 +180,7 @@ def test_the_plan_lists_every_step_and_what_changed(tiny_study, tmp_path, capsys
     from experiments.run import Study
     study = Study(load_study(str(more)), out, 1, wandb=False)
     step = next(s for s in study.tool_steps(TOOLS["suite"])[0] if s["label"] == "ced/seed0")
-    assert not study._fresh("suite ced/seed0", step)
+    assert study._fresh("suite ced/seed0", step)[0] == "rerun"
     assert ("suite ced/seed0: inputs changed (suite.replay gained 3W); rerunning"
             in capsys.readouterr().out)
 
