@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ced.checkpoint import load_config
+from ced.checkpoint import WEIGHTS, load_config
 from ced.run_id import IDENTITY, RunId, write_run_id
 
 from .freshness import DEFAULTS, STAMP, plain, step_decision
@@ -258,7 +258,7 @@ class EvaluationSteps:
         `jobs=` jobs and mode (each a step skipped by hash), then
         `analysis.real_text.write_lm_eval` over them and every other job's runs done with the
         current inputs (a job outside `jobs=` is not run, and its finished runs stay in the
-        tables)."""
+        tables); refused, the tables kept, when they would drop a model (`lm_eval_refusal`)."""
         spec = self.spec.evaluations.get("real_text")
         if spec is None or not (spec.lm_eval_modes or spec.lm_eval_turn_modes):
             return
@@ -274,6 +274,11 @@ class EvaluationSteps:
             for step in runs:
                 current.append(step["out"])
                 self._lm_eval_run(step)
+        reason = self.lm_eval_refusal(current, left_out)
+        if reason:
+            print(f"[study] lm_eval: REFUSED: {reason}", flush=True)
+            self.record("lm_eval", "refused", reason=reason)
+            return
         # lazy: analysis.real_text costs ~0.3 s to import (its plots), and only a study with
         # lm-eval modes gets here
         from analysis.real_text import write_lm_eval
@@ -301,6 +306,29 @@ class EvaluationSteps:
                 else:
                     left_out.append(step["key"])
         return kept, left_out
+
+    def lm_eval_refusal(self, runs: list[Path], left_out: list[str]) -> str:
+        """Why lm-eval's tables are not rewritten from `runs`, or "": they last held models
+        that tables of `runs` would not, though still trained here and with runs not
+        `left_out` (done with other inputs), which a narrower `seeds=` does (as
+        `experiments.freshness.dropped_models` for a stamped step); on_change=rerun allows
+        it."""
+        # lazy, both: only a study with lm-eval gets here
+        import pandas as pd
+        from evals.real_text import LM_EVAL_OUTCOMES
+        path = self.out / "real_text" / LM_EVAL_OUTCOMES
+        if self.on_change == "rerun" or not path.exists():
+            return ""
+        root = self.out / "real_text" / "lm_eval"
+        kept = {"/".join(Path(run).relative_to(root).parts[:2]) for run in runs}
+        kept |= {"/".join(key.split("/")[1:3]) for key in left_out}
+        held = set(pd.read_csv(path, usecols=["run"])["run"])
+        dropped = sorted(label for label in held - kept
+                         if (self.run_dir(label) / "final" / WEIGHTS).exists())
+        return "" if not dropped else (
+            f"its tables hold {', '.join(dropped)}, still trained here, which this "
+            "invocation's seeds= leaves out; they are kept: read without that seeds=, or with "
+            "on_change=rerun to replace them")
 
     def _lm_eval_steps(self, all_jobs: bool = False):
         """Per checkpoint (of the `jobs=` jobs unless `all_jobs`) lm-eval reads, as they would

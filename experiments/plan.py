@@ -65,12 +65,16 @@ def _plan_evaluations(study, pending: list[str]) -> list[dict]:
         if pending:
             rows.append(plan_row("lm_eval", "run", f"after training {', '.join(pending)}"))
         else:
+            kept, left_out = study.lm_eval_others()
             for tasks_step, runs in study._lm_eval_steps():
                 rows += [_plan_step(study, step) for step in (tasks_step, *runs)]
-            left_out = study.lm_eval_others()[1]
+                kept += [step["out"] for step in runs]
             if left_out:
                 rows.append(plan_row("lm_eval", "run", f"its tables leave out "
                                      f"{', '.join(left_out)} (not done, outside jobs=)"))
+            refusal = study.lm_eval_refusal(kept, left_out)
+            if refusal:
+                rows.append(plan_row("lm_eval", "refuse", refusal))
     return rows
 
 

@@ -105,3 +105,31 @@ def test_a_per_model_step_is_never_refused_for_narrowing(tmp_path, monkeypatch):
     assert dropped_models({"checkpoint": reading["reading"].paths[0]}, reading) == []
     (reading["done"]).unlink()
     assert step_decision(reading)[0] == "run"
+
+
+def test_lm_evals_tables_are_not_rewritten_without_a_model_they_hold(tmp_path, monkeypatch):
+    """lm-eval's tables (no stamp: their outcomes name the models) held ced/seed0 and
+    ced/seed1; `seeds=[1]` would rewrite them from seed 1's runs alone: refused, by the run
+    and by only=plan, unless the left-out model's runs are stale (the tables leave those out
+    and say so), its weights are gone, or on_change=rerun."""
+    import pandas as pd
+    from evals.real_text import LM_EVAL_OUTCOMES
+
+    study = fabricated_study(tmp_path, monkeypatch, "demo")
+    held = study.out / "real_text" / LM_EVAL_OUTCOMES
+    held.parent.mkdir(parents=True)
+    pd.DataFrame({"run": ["ced/seed0", "ced/seed1"], "correct": [1, 0]}).to_csv(held,
+                                                                                 index=False)
+    root = study.out / "real_text" / "lm_eval"
+    seed1_run = [root / "ced" / "seed1" / "ced_code" / "full"]
+    assert study.lm_eval_refusal([root / "ced" / f"seed{s}" / "ced_code" / "full"
+                                  for s in (0, 1)], []) == ""
+    one_seed = narrowed(study, [1])
+    reason = one_seed.lm_eval_refusal(seed1_run, [])
+    assert "ced/seed0" in reason and "ced/seed1" not in reason and "on_change=rerun" in reason
+    plan = [row for row in one_seed.plan() if row["run"] == "lm_eval"]
+    assert [row["action"] for row in plan] == ["refuse"] and plan[0]["reason"] == reason
+    assert one_seed.lm_eval_refusal(seed1_run, ["lm_eval/ced/seed0/ced_code/full"]) == ""
+    assert narrowed(study, [1], on_change="rerun").lm_eval_refusal(seed1_run, []) == ""
+    (study.out / "runs" / "ced" / "seed0" / "final" / "model.safetensors").unlink()
+    assert one_seed.lm_eval_refusal(seed1_run, []) == ""
