@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ced.checkpoint import WEIGHTS, load_config
+from ced.checkpoint import load_config
 from ced.run_id import IDENTITY, RunId, write_run_id
 
-from .freshness import DEFAULTS, STAMP, plain, step_decision
+from .freshness import (DEFAULTS, STAMP, Coverage, plain, read_stamp, recorded_models,
+                        step_decision)
 from .steps import banner, step_record, stream, write_stamp
 from .study import config_hash
 from .tools import OVER_MODELS, PER_MODEL, TOOLS, EvaluationTool, JobPlace, Reading, tools
@@ -46,7 +47,7 @@ class EvaluationSteps:
         """What to do with `step` (a prepared evaluation step), said in one line
         (`step_decision`): skip (done with these inputs), run, rerun (says what changed) or
         refuse (it would drop models its last run read; on_change=rerun allows it)."""
-        action, reason = step_decision(step, self.repair, narrowing=self.on_change == "rerun")
+        action, reason = step_decision(step, self.repair, self.coverage())
         if action == "skip":
             print(f"[study] {label}: {reason}, skipped", flush=True)
         elif action == "rerun":
@@ -98,6 +99,20 @@ class EvaluationSteps:
     def selected(self, name: str) -> bool:
         """Whether the driver's `tools=` lets the tool (or lm_eval) `name` run."""
         return self.selected_tools is None or name in self.selected_tools
+
+    def coverage(self) -> Coverage | None:
+        """The models this invocation's steps over models read (every job, this invocation's
+        seeds: `experiments.freshness.Coverage`); None under on_change=rerun, which lets a
+        narrower reading replace a wider one."""
+        if self.on_change == "rerun":
+            return None
+        return Coverage(frozenset(self.run_ids(all_jobs=True)), self.out / "runs")
+
+    def narrowed(self, key: str) -> str:
+        """Why the step over models in `<out>/<key>` will be refused when it runs (its last
+        run read a model this invocation leaves out: `Coverage`), or "" if it will not."""
+        coverage, stamp = self.coverage(), read_stamp(self.out / key, False)
+        return "" if coverage is None else coverage.refusal(recorded_models(stamp))
 
     def evaluate(self) -> None:
         """Every registered tool's steps (`run_tool`), in registration order, then lm-eval;
@@ -212,8 +227,9 @@ class EvaluationSteps:
         step, _, why = self.merge_step(tool)
         if step is None:
             out = self.out / tool.name
-            for path in (out / STAMP, *(out / name for name in tool.cleared())):
-                path.unlink(missing_ok=True)
+            if not self.narrowed(tool.name):       # a narrower invocation keeps it
+                for path in (out / STAMP, *(out / name for name in tool.cleared())):
+                    path.unlink(missing_ok=True)
             print(f"[study] {tool.name}: merge waits: {why}", flush=True)
             self.record(tool.name, "skipped", reason=why)
             return
@@ -274,7 +290,7 @@ class EvaluationSteps:
             for step in runs:
                 current.append(step["out"])
                 self._lm_eval_run(step)
-        reason = self.lm_eval_refusal(current, left_out)
+        reason = self.lm_eval_refusal()
         if reason:
             print(f"[study] lm_eval: REFUSED: {reason}", flush=True)
             self.record("lm_eval", "refused", reason=reason)
@@ -307,28 +323,18 @@ class EvaluationSteps:
                     left_out.append(step["key"])
         return kept, left_out
 
-    def lm_eval_refusal(self, runs: list[Path], left_out: list[str]) -> str:
-        """Why lm-eval's tables are not rewritten from `runs`, or "": they last held models
-        that tables of `runs` would not, though still trained here and with runs not
-        `left_out` (done with other inputs), which a narrower `seeds=` does (as
-        `experiments.freshness.dropped_models` for a stamped step); on_change=rerun allows
-        it."""
+    def lm_eval_refusal(self) -> str:
+        """Why lm-eval's tables are not rewritten, or "": they last held a model (their
+        outcomes' `run`) that this invocation leaves out though still trained here
+        (`experiments.freshness.Coverage`, as for a step over models); on_change=rerun
+        allows it."""
         # lazy, both: only a study with lm-eval gets here
         import pandas as pd
         from evals.real_text import LM_EVAL_OUTCOMES
-        path = self.out / "real_text" / LM_EVAL_OUTCOMES
-        if self.on_change == "rerun" or not path.exists():
+        coverage, path = self.coverage(), self.out / "real_text" / LM_EVAL_OUTCOMES
+        if coverage is None or not path.exists():
             return ""
-        root = self.out / "real_text" / "lm_eval"
-        kept = {"/".join(Path(run).relative_to(root).parts[:2]) for run in runs}
-        kept |= {"/".join(key.split("/")[1:3]) for key in left_out}
-        held = set(pd.read_csv(path, usecols=["run"])["run"])
-        dropped = sorted(label for label in held - kept
-                         if (self.run_dir(label) / "final" / WEIGHTS).exists())
-        return "" if not dropped else (
-            f"its tables hold {', '.join(dropped)}, still trained here, which this "
-            "invocation's seeds= leaves out; they are kept: read without that seeds=, or with "
-            "on_change=rerun to replace them")
+        return coverage.refusal(pd.read_csv(path, usecols=["run"])["run"])
 
     def _lm_eval_steps(self, all_jobs: bool = False):
         """Per checkpoint (of the `jobs=` jobs unless `all_jobs`) lm-eval reads, as they would

@@ -1,11 +1,12 @@
 """What changed between the inputs an evaluation step recorded when it last ran and the ones
-it would run with now: the reason the study driver (and its `only=plan`) gives for a rerun."""
+it would run with now: the reason the study driver (and its `only=plan`) gives for a rerun; and
+whether a step over models would read fewer models than it last did (`Coverage`: refused)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -106,41 +107,61 @@ def read_stamp(directory: Path, repair: bool = True) -> dict | None:
     return stamp
 
 
-def dropped_models(stamp: dict | None, step: dict) -> list[str]:
-    """The models a step over models read when it last ran (its record's `checkpoints`) that
-    it would not read now though they are still trained where they were: its study's runs
-    were narrowed (a `seeds=` of fewer seeds, a job taken out of the study file), so running
-    it would replace a reading of every model with one of some. Each as '<job>/seed<k>';
-    empty for a per model step (it records one `checkpoint`)."""
-    old = (stamp or {}).get("checkpoints")
-    reading = step.get("reading")
-    if not isinstance(old, list) or reading is None:
+@dataclass(frozen=True)
+class Coverage:
+    """The models an invocation's steps over models read: every job of the study under this
+    invocation's seeds (`labels`, '<job>/seed<k>'), trained under `runs`. A step over models
+    (a tool over every model, a merge of per model readings, lm-eval's tables) whose last run
+    read a model outside them that is still trained there would replace a reading of every
+    model with one of fewer: a narrower `seeds=`, a job taken out of the study file."""
+
+    labels: frozenset[str]
+    runs: Path
+
+    def dropped(self, read: Iterable[str]) -> list[str]:
+        """The models of `read` (labels) outside `labels` whose runs still hold weights."""
+        return sorted(label for label in set(read) - self.labels
+                      if (self.runs / label / "final" / WEIGHTS).exists())
+
+    def refusal(self, read: Iterable[str]) -> str:
+        """Why a step whose last run read the models `read` is refused, or "" if it is not;
+        the reason names the seeds that run read and what to run instead."""
+        read = sorted(set(read))
+        dropped = self.dropped(read)
+        if not dropped:
+            return ""
+        seeds = sorted({int(label.rsplit("/seed", 1)[1]) for label in read})
+        return (f"its last run read {len(read)} models, and this invocation's jobs and seeds "
+                f"leave out {', '.join(dropped)}, still trained here; its outputs are kept. "
+                f"To read every model give the seeds it read (seeds=[{','.join(map(str, seeds))}]"
+                "); to replace them with this narrower reading, run only=eval on_change=rerun")
+
+
+def recorded_models(stamp: dict | None) -> list[str]:
+    """The models ('<job>/seed<k>') a step over models read when it last ran: its record's
+    `checkpoints` (each `.../<job>/seed<k>/final`; labels, so a study directory copied or
+    moved compares alike); none for a per model step, which records one `checkpoint`."""
+    paths = (stamp or {}).get("checkpoints")
+    if not isinstance(paths, list):
         return []
-    now = set(reading.paths)
-    return [f"{Path(final).parent.parent.name}/{Path(final).parent.name}" for final in old
-            if final not in now and (Path(final) / WEIGHTS).exists()]
+    return [f"{Path(final).parent.parent.name}/{Path(final).parent.name}" for final in paths]
 
 
 def step_decision(step: dict, repair: bool = True,
-                  narrowing: bool = False) -> tuple[str, str]:
+                  coverage: Coverage | None = None) -> tuple[str, str]:
     """Whether an evaluation step runs, the one decision of a run and of only=plan: (skip |
     run | rerun | refuse, reason). `step` holds its `out` directory, the `done` file its
     outputs end with, the `hash` of its `inputs` and what the study file `written` for it; it
     is done when `done` exists beside a record of the same hash, and a rerun names what
-    changed. A step over models that would read fewer of the study's trained models than its
-    last run did (`dropped_models`) is refused, its outputs kept, unless `narrowing` (the
-    driver's on_change=rerun) allows it."""
+    changed. With `coverage` (the driver's, unless on_change=rerun), a step whose last run
+    read a model the invocation leaves out is refused, its outputs kept (`Coverage`)."""
     stamp = read_stamp(step["out"], repair)
     if step["done"].exists() and stamp is not None and stamp.get("hash") == step["hash"]:
         return "skip", f"done before with the same inputs (hash {step['hash']})"
     if not step["done"].exists():
         return "run", "not run yet"
-    dropped = [] if narrowing else dropped_models(stamp, step)
-    if dropped:
-        return "refuse", (f"it read {len(stamp['checkpoints'])} models when it last ran and "
-                          f"would now leave out {', '.join(dropped)}, still trained here but "
-                          "not among this invocation's runs (seeds=, or the study file's jobs); "
-                          "its outputs are kept: run without that seeds= to read every model, "
-                          "or with on_change=rerun to replace them")
+    refusal = "" if coverage is None else coverage.refusal(recorded_models(stamp))
+    if refusal:
+        return "refuse", refusal
     change = describe_step_change(stamp, step["hash"], step["inputs"], step.get("written"))
     return "rerun", f"inputs changed ({change})"

@@ -48,7 +48,7 @@ def _plan_training(study) -> list[dict]:
 
 def _plan_step(study, step: dict) -> dict:
     """The plan's line for one prepared evaluation step."""
-    action, reason = step_decision(step, study.repair, narrowing=study.on_change == "rerun")
+    action, reason = step_decision(step, study.repair, study.coverage())
     return plan_row(step["key"], action, reason, hash=step["hash"])
 
 
@@ -65,16 +65,15 @@ def _plan_evaluations(study, pending: list[str]) -> list[dict]:
         if pending:
             rows.append(plan_row("lm_eval", "run", f"after training {', '.join(pending)}"))
         else:
-            kept, left_out = study.lm_eval_others()
             for tasks_step, runs in study._lm_eval_steps():
                 rows += [_plan_step(study, step) for step in (tasks_step, *runs)]
-                kept += [step["out"] for step in runs]
+            left_out = study.lm_eval_others()[1]
             if left_out:
                 rows.append(plan_row("lm_eval", "run", f"its tables leave out "
                                      f"{', '.join(left_out)} (not done, outside jobs=)"))
-            refusal = study.lm_eval_refusal(kept, left_out)
-            if refusal:
-                rows.append(plan_row("lm_eval", "refuse", refusal))
+        refusal = study.lm_eval_refusal()
+        if refusal:
+            rows.append(plan_row("lm_eval", "refuse", refusal))
     return rows
 
 
@@ -83,7 +82,9 @@ def _plan_tool(study, tool: EvaluationTool, pending: list[str]) -> list[dict]:
     model step runs after its own model's, and its merge (`EvaluationTool.merge`) after the
     steps it merges."""
     if tool.scope == OVER_MODELS and pending:
-        return [plan_row(tool.name, "run", f"after training {', '.join(pending)}")]
+        refusal = study.narrowed(tool.name)
+        return [plan_row(tool.name, "refuse", refusal) if refusal else
+                plan_row(tool.name, "run", f"after training {', '.join(pending)}")]
     rows = [] if tool.scope == OVER_MODELS else [
         plan_row(f"{tool.name}/{label}", "run", f"after training {label}") for label in pending]
     steps, why = study.tool_steps(tool)
@@ -95,13 +96,16 @@ def _plan_tool(study, tool: EvaluationTool, pending: list[str]) -> list[dict]:
 
 def _plan_merge(study, tool: EvaluationTool, steps: list[dict], pending: list[str]) -> dict:
     """The merge of a per model tool (`EvaluationTool.merge`): decided now when its steps are
-    done; else it runs after this invocation's steps and training, or waits (skipped) for a
-    step this invocation does not run (a job outside `jobs=`)."""
+    done; else it runs after this invocation's steps and training (refused if it would read
+    fewer models than it last did), or waits (skipped) for a step this invocation does not
+    run (a job outside `jobs=`)."""
     merge, waiting, _ = study.merge_step(tool)
     if merge is not None and not pending:
         return _plan_step(study, merge)
     runs_now = {step["key"] for step in steps} | {f"{tool.name}/{label}" for label in pending}
     if set(waiting) <= runs_now:
-        return plan_row(tool.name, "run", "merges the steps above once they are done")
+        refusal = study.narrowed(tool.name)
+        return (plan_row(tool.name, "refuse", refusal) if refusal else
+                plan_row(tool.name, "run", "merges the steps above once they are done"))
     return plan_row(tool.name, "skip", f"waits: {', '.join(sorted(set(waiting) - runs_now))} "
                                        "not done and not run by this invocation")
