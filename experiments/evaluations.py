@@ -61,7 +61,8 @@ class EvaluationSteps:
                 **failure: Any) -> bool:
         """The skeleton of every evaluation step. `step`: its key, out, done (the file whose
         presence says it finished), hash and inputs. Skipped (and recorded so) when fresh,
-        refused (recorded so, its outputs kept) when it would drop models; else the old stamp and `clear` are removed, `title` announced, `run()` run (return
+        refused (recorded so, its outputs kept) when it would drop models; else the old
+        stamp and `clear` are removed, `title` announced, `run()` run (return
         code, last lines), and the step stamped (`step_record` with `stamp`) and recorded ok
         when it exits 0 and `done` exists, recorded failed otherwise (with `failure`'s extra
         fields). True when the step is done (skipped or ok)."""
