@@ -29,8 +29,9 @@ of `analysis.findings` and `analysis.depth` need, as a skeleton study directory:
                                        `real_text:` step; not tokens.parquet), real_text/ the
                                        merged tables of every model, lm-eval's tables and
                                        lm_eval_outcomes.csv.gz (the lm-eval documents of the
-                                       study's current runs: job, train_seed, mode, family,
-                                       distance bin x, id, correct, distance, file)
+                                       study's current runs, and of the runs archived before
+                                       that the study no longer holds: job, train_seed, mode,
+                                       family, distance bin x, id, correct, distance, file)
     erf_shares.csv                     per model its decoder influence beyond W and 2W, from
                                        the study's erf/<job>/seed<k>/ (the driver's `erf:`
                                        step) and from any --erf directory
@@ -57,7 +58,7 @@ import pandas as pd
 from ced.run_id import identified, write_run_id
 from evals.erf import erf_shares
 from evals.modes import MODE_COLUMNS
-from evals.real_text import LM_EVAL_OUTCOMES
+from evals.lm_eval_outcomes import LM_EVAL_OUTCOMES, read_outcomes, with_earlier_runs
 
 CELLS = "cells.csv"
 OUTCOMES = "outcomes.csv.gz"
@@ -67,7 +68,6 @@ WEIGHT_FILES = ("final/model.safetensors", "final/config.json", "metrics.jsonl")
 FULL = "full"
 # what the archive keeps of a real-text reading (per model and merged)
 READING_FILES = ("kl_by_position.csv", "kl_by_class.csv", "baselines.csv", "settings.json")
-LM_EVAL_FILES = ("lm_eval.csv", "lm_eval_accuracy.csv", LM_EVAL_OUTCOMES)
 
 
 def cells_of(results: pd.DataFrame) -> pd.DataFrame:
@@ -164,9 +164,8 @@ def archive_real_text(study: Path, into: Path, weights: bool = False) -> list[st
     """A study's real-text reading (the driver's `real_text:` step): per model read, its
     tables (`READING_FILES`: not tokens.parquet, hundreds of megabytes at the findings scale,
     nor the step's record, so a study put back reads the model again) and its run
-    (`archive_run`); in real_text/ the merged tables of every model and the lm-eval documents
-    of the study's current runs (`LM_EVAL_OUTCOMES`, written by the driver's lm-eval step).
-    Returns the labels of the models archived."""
+    (`archive_run`); in real_text/ the merged tables of every model and lm-eval's documents
+    and tables (`archive_lm_eval`). Returns the labels of the models archived."""
     root, done = study / "real_text", []
     for run_id, folder in identified(root):
         if not (folder / "baselines.csv").exists():
@@ -180,10 +179,28 @@ def archive_real_text(study: Path, into: Path, weights: bool = False) -> list[st
         done.append(run_id.label)
     if (root / "baselines.csv").exists():        # the merged reading, and lm-eval's tables
         (into / "real_text").mkdir(parents=True, exist_ok=True)
-        for name in (*READING_FILES, *LM_EVAL_FILES):
+        for name in READING_FILES:
             if (root / name).exists():
                 shutil.copy(root / name, into / "real_text" / name)
+        archive_lm_eval(root, into / "real_text")
     return done
+
+
+def archive_lm_eval(source: Path, target: Path) -> None:
+    """lm-eval's documents of a real_text study (source: its real_text/, `LM_EVAL_OUTCOMES`)
+    into the archive's real_text/, with every run the archive held that the study does not
+    (`evals.real_text.with_earlier_runs`: a study put back from its archive holds only the runs
+    read since). Not its tables: `python -m analysis.real_text --lm-eval DIR/real_text/lm_eval
+    --earlier <archive>/real_text/lm_eval_outcomes.csv.gz --out DIR/real_text` writes them over
+    the same runs. Nothing when the study has no lm-eval documents."""
+    fresh, kept = source / LM_EVAL_OUTCOMES, target / LM_EVAL_OUTCOMES
+    if not fresh.exists():
+        return
+    rows = read_outcomes(fresh)
+    if kept.exists():
+        rows = with_earlier_runs(rows, read_outcomes(kept))
+    # gzip's header time fixed, so archiving the same study again writes the same bytes
+    rows.to_csv(kept, index=False, compression={"method": "gzip", "mtime": 0})
 
 
 def archive_erf(erf_dir: Path, into: Path) -> Path:

@@ -1,17 +1,25 @@
 """The real-text study published: findings/real_text from a finished `real_text` study
 directory (`publish`), and the lm-eval drops over the code tasks (`write_lm_eval`). The
 measurement itself (per-byte KL of bounded replay on held-out source files) is evals/real_text.py.
+
+    python -m analysis.real_text --lm-eval DIR/real_text/lm_eval --earlier ARCHIVE/real_text/lm_eval_outcomes.csv.gz --out DIR/real_text
+
+writes a study's lm-eval tables over its runs and the runs an archive holds that the study
+directory lost (`with_earlier_runs`).
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import sys
 from pathlib import Path
 
 import pandas as pd
 
 from ced.records import write_json
-from evals.real_text import LM_EVAL_OUTCOMES, lm_eval_runs, read_lm_eval
+from evals.lm_eval_outcomes import (LM_EVAL_OUTCOMES, LM_EVAL_RUN, lm_eval_runs, read_lm_eval,
+                                    read_outcomes, with_earlier_runs)
 
 from . import plots
 from .publish import markdown, provenance, provenance_markdown
@@ -19,14 +27,24 @@ from .report import load_runs, training_table
 from .tables import accuracy_table, capability_drop_table
 
 
-def write_lm_eval(root: Path, out: Path, runs: list[Path] | None = None) -> dict[str, Path]:
+def write_lm_eval(root: Path, out: Path, runs: list[Path] | None = None,
+                  earlier: Path | None = None) -> dict[str, Path]:
+    """`write_lm_eval_tables` over `read_lm_eval(root, runs)` (of `runs` only, when given: the
+    study driver passes the runs of its current spec) and, when `earlier` names an outcomes
+    file of the same study (an archive's lm_eval_outcomes.csv.gz), every run it holds that
+    `root` does not (`with_earlier_runs`)."""
+    results = read_lm_eval(root, runs)
+    if earlier is not None:
+        results = with_earlier_runs(results, read_outcomes(earlier))
+    return write_lm_eval_tables(results, out)
+
+
+def write_lm_eval_tables(results: pd.DataFrame, out: Path) -> dict[str, Path]:
     """lm_eval.csv (every mode against full, paired on documents: the example-level and
     seed-level CIs, p-values and Holm of `analysis.tables.capability_drop_table`),
     lm_eval_accuracy.csv (accuracy per job, task, distance bin and mode) and
-    lm_eval_outcomes.csv.gz (the documents they were computed from, one row per run and
-    document: what `analysis.archive` keeps) from `read_lm_eval` (of `runs` only, when given:
-    the study driver passes the runs of its current spec)."""
-    results = read_lm_eval(root, runs)
+    lm_eval_outcomes.csv.gz (`results`, one row per run and document: what `analysis.archive`
+    keeps) in `out`. The tables do not depend on the rows' order."""
     out.mkdir(parents=True, exist_ok=True)
     # gzip's header time fixed: the same runs write the same bytes
     results.to_csv(out / LM_EVAL_OUTCOMES, index=False,
@@ -144,3 +162,30 @@ def _published_markdown(study: Path, out: Path, info: dict, training) -> str:
                           "difference", "ci_low", "ci_high", "seed_ci_low", "seed_ci_high",
                           "per_seed_difference"])]
     return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.real_text",
+                                description="a real-text study's lm-eval tables (write_lm_eval)")
+    p.add_argument("--lm-eval", required=True, help="the study's lm-eval runs "
+                   "(DIR/real_text/lm_eval: <job>/seed<k>/<group>/<mode>/)")
+    p.add_argument("--earlier", default=None, help="an lm_eval_outcomes.csv.gz of the same "
+                   "study (its archive's): its runs the study no longer holds join the tables")
+    p.add_argument("--out", required=True, help="where the tables go (DIR/real_text)")
+    args = p.parse_args(argv)
+    earlier = Path(args.earlier) if args.earlier else None
+    if earlier is not None and not earlier.exists():
+        p.error(f"--earlier {earlier}: no such file")
+    try:
+        written = write_lm_eval(Path(args.lm_eval), Path(args.out), earlier=earlier)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    runs = read_outcomes(written["lm_eval_outcomes"])[LM_EVAL_RUN].drop_duplicates()
+    print(f"[lm_eval] {len(runs)} runs (model x task x mode) of "
+          f"{runs['run'].nunique()} models: " + " ".join(str(v) for v in written.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -93,9 +93,6 @@ _TOK = ByteTokenizer()
 OUTPUTS = ("tokens.parquet", "kl_by_position.csv", "kl_by_class.csv", "baselines.csv",
            "kl_by_position.png", "kl_by_class.png", "settings.json")
 DEFAULT_REPLAYS = ("1", "W/2", "W", "2W", "R_exact")
-# a study's lm-eval documents, one row per run and document (`read_lm_eval` of its current
-# runs), beside the tables computed from them
-LM_EVAL_OUTCOMES = "lm_eval_outcomes.csv.gz"
 
 
 # ---- the held-out files, as rows ------------------------------------------------------------
@@ -735,41 +732,6 @@ def _class_tables(table, forms: dict, replays: list[str], resamples: int):
 
 
 # ---- lm-eval over the code tasks ------------------------------------------------------------
-
-def lm_eval_runs(root: Path):
-    """(run directory, job, training seed, mode) of every lm-eval run under
-    root/<job>/seed<k>/<group>/<mode>/, in path order; mode.txt (written when the run ended)
-    names its evals.modes string."""
-    for mode_file in sorted(Path(root).glob("*/seed*/*/*/mode.txt")):
-        run_dir = mode_file.parent
-        yield (run_dir, run_dir.parents[2].name, int(run_dir.parents[1].name[len("seed"):]),
-               mode_file.read_text().strip())
-
-
-def read_lm_eval(root: Path, runs: list[Path] | None = None):
-    """Every lm-eval run of `lm_eval_runs(root)` (its samples files come from --log_samples),
-    or only those in `runs`, as suite-style results: job, train_seed, run, mode, family (the
-    task without `ced_`), x (distance bin), id, correct, distance, file."""
-    rows = []
-    wanted = None if runs is None else {Path(r).resolve() for r in runs}
-    for run_dir, job, seed, mode in lm_eval_runs(root):
-        if wanted is not None and run_dir.resolve() not in wanted:
-            continue
-        for samples in sorted(run_dir.rglob("samples_*.jsonl")):
-            with open(samples) as handle:
-                for line in handle:
-                    record = json.loads(line)
-                    doc = record["doc"]
-                    rows.append({"job": job, "train_seed": seed, "run": f"{job}/seed{seed}",
-                                 "mode": mode, "family": doc["family"], "x": str(doc["x"]),
-                                 "id": f"{doc['file']}:{doc['byte']}",
-                                 "correct": bool(record["acc"]), "distance": doc["distance"],
-                                 "file": doc["file"]})
-    if not rows:
-        raise FileNotFoundError(f"{root}: no <job>/seed<k>/<group>/<mode>/ lm-eval run with "
-                                "samples")
-    return pd.DataFrame(rows)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(RealTextConfig, prog="python -m evals.real_text",

@@ -331,7 +331,7 @@ class EvaluationSteps:
         allows it."""
         # lazy, both: only a study with lm-eval gets here
         import pandas as pd
-        from evals.real_text import LM_EVAL_OUTCOMES
+        from evals.lm_eval_outcomes import LM_EVAL_OUTCOMES
         coverage, path = self.coverage(), self.out / "real_text" / LM_EVAL_OUTCOMES
         if coverage is None or not path.exists():
             return ""

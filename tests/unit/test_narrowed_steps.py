@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from evals.real_text import LM_EVAL_OUTCOMES
+from evals.lm_eval_outcomes import LM_EVAL_OUTCOMES
 from experiments.freshness import recorded_models, step_decision
 from experiments.run import Study
 from experiments.steps import step_record, write_stamp

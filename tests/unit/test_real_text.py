@@ -17,7 +17,7 @@ import torch
 
 from ced import InferenceEngine, exact_replay_length
 from ced.checkpoint import save_model
-from evals import real_text
+from evals import lm_eval_outcomes, real_text
 from evals.code_tokens import CLASSES, annotate, classify, group_of
 from evals.modes import Mode, mode_logits
 from tests.conftest import make_model, tiny_config
@@ -457,14 +457,14 @@ def test_lm_eval_runs_and_read_lm_eval_walk_the_same_finished_runs(tmp_path):
     unfinished = tmp_path / "ced_L8" / "seed1" / "ced_code" / "full" / "model"
     unfinished.mkdir(parents=True)
     (unfinished / "samples_ced_code_close.jsonl").write_text(json.dumps({"doc": doc, "acc": 1}))
-    found = [(job, seed, mode) for _, job, seed, mode in real_text.lm_eval_runs(tmp_path)]
+    found = [(job, seed, mode) for _, job, seed, mode in lm_eval_outcomes.lm_eval_runs(tmp_path)]
     assert found == [("ced_L2", 0, "full"), ("ced_L2", 0, "replay=W"), ("dense", 2, "full")]
-    table = real_text.read_lm_eval(tmp_path)
+    table = lm_eval_outcomes.read_lm_eval(tmp_path)
     assert sorted(zip(table["run"], table["mode"], table["correct"])) == [
         ("ced_L2/seed0", "full", True), ("ced_L2/seed0", "replay=W", False),
         ("dense/seed2", "full", True)]
     assert set(table["train_seed"]) == {0, 2} and set(table["id"]) == {"a.py:7"}
-    only = real_text.read_lm_eval(tmp_path, runs=[tmp_path / "dense/seed2/ced_code/full"])
+    only = lm_eval_outcomes.read_lm_eval(tmp_path, runs=[tmp_path / "dense/seed2/ced_code/full"])
     assert list(only["run"]) == ["dense/seed2"]
     with pytest.raises(FileNotFoundError, match="no <job>/seed<k>"):
-        real_text.read_lm_eval(tmp_path / "ced_L8")
+        lm_eval_outcomes.read_lm_eval(tmp_path / "ced_L8")
