@@ -27,11 +27,12 @@ of `analysis.findings` and `analysis.depth` need, as a skeleton study directory:
                                        step times, merged over every archived study directory
     real_text/<job>/seed<k>/           a real-text reading's tables per model (the driver's
                                        `real_text:` step; not tokens.parquet), real_text/ the
-                                       merged tables of every model, lm-eval's tables and
+                                       merged tables of every model and
                                        lm_eval_outcomes.csv.gz (the lm-eval documents of the
                                        study's current runs, and of the runs archived before
                                        that the study no longer holds: job, train_seed, mode,
-                                       family, distance bin x, id, correct, distance, file)
+                                       family, distance bin x, id, correct, distance, file;
+                                       the tables: `python -m analysis.real_text`)
     erf_shares.csv                     per model its decoder influence beyond W and 2W, from
                                        the study's erf/<job>/seed<k>/ (the driver's `erf:`
                                        step) and from any --erf directory
