@@ -222,20 +222,40 @@ def archive_erf(erf_dir: Path, into: Path) -> Path:
 def _merge_summary(source: Path, target: Path) -> None:
     """The archive's summary.json: every invocation of every archived study directory once
     (one invocation, archived again while it ran on, keeps its latest record: same command,
-    commit and start) and the steps' records, later ones replacing earlier ones of the key."""
+    commit and start) and the steps' records, later ones replacing earlier ones of the key;
+    a step's `invocation` (an index into its directory's invocations) renumbered to index the
+    merged list, so that it names the invocation that ran it."""
     if not source.exists():
         return
     new = json.loads(source.read_text())
     old = json.loads(target.read_text()) if target.exists() else {}
     invocations: dict = {}
     for record in old.get("invocations", []) + new.get("invocations", []):
-        key = (record.get("command"), record.get("commit"), record.get("started"))
-        invocations[key] = record
-    merged = {**new, "steps": {**old.get("steps", {}), **new.get("steps", {})},
-              "invocations": sorted(invocations.values(), key=lambda r: r.get("started", ""))}
+        invocations[_invocation_key(record)] = record
+    ordered = sorted(invocations.values(), key=lambda r: r.get("started", ""))
+    position = {_invocation_key(record): i for i, record in enumerate(ordered)}
+    steps = {**_renumbered(old, position), **_renumbered(new, position)}
+    merged = {**new, "steps": steps, "invocations": ordered}
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(merged, indent=1) + "\n")
 
+
+def _invocation_key(record: dict) -> tuple:
+    """An invocation's identity across archivings: its command, commit and start."""
+    return record.get("command"), record.get("commit"), record.get("started")
+
+
+def _renumbered(summary: dict, position: dict) -> dict:
+    """`summary`'s step records, each `invocation` index (into summary's own invocations) moved
+    to the merged list's (`position`: invocation key -> index); an index its list does not
+    hold (the driver's -1 for a rebuilt report) is left as it is."""
+    own, steps = summary.get("invocations", []), {}
+    for key, record in summary.get("steps", {}).items():
+        index = record.get("invocation")
+        if isinstance(index, int) and 0 <= index < len(own):
+            record = {**record, "invocation": position[_invocation_key(own[index])]}
+        steps[key] = record
+    return steps
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.archive",

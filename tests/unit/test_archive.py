@@ -107,6 +107,33 @@ def test_an_invocation_archived_twice_while_it_ran_is_kept_once(tmp_path):
     assert [i["elapsed_s"] for i in invocations] == [99]
 
 
+def test_each_archived_step_names_the_invocation_that_ran_it(tmp_path):
+    """Two study directories (the second begun after the first was lost), each numbering its
+    invocations from 0: in the archive every step's `invocation` indexes the merged list at
+    the invocation that ran it, whichever directory was archived first."""
+    def directory(name, commands):
+        study = tmp_path / name
+        write_study(study, [("L2", 0)])
+        invocations = [{"command": c, "commit": c, "started": f"t{c}"} for c in commands]
+        steps = {f"step {c}": {"state": "ok", "invocation": i} for i, c in enumerate(commands)}
+        steps["report"] = {"state": "ok", "invocation": -1}
+        (study / "summary.json").write_text(json.dumps({"steps": steps,
+                                                        "invocations": invocations}))
+        return study
+    first, second = directory("a", ["1", "3"]), directory("b", ["2", "4", "5"])
+    for order in ((first, second), (second, first)):
+        into = tmp_path / f"archive_{order[0].name}"
+        for study in order:
+            archive(study, into)
+        summary = json.loads((into / "summary.json").read_text())
+        commands = [i["command"] for i in summary["invocations"]]
+        assert commands == ["1", "2", "3", "4", "5"]
+        for key, record in summary["steps"].items():
+            if key != "report":
+                assert commands[record["invocation"]] == key.split()[1], (order, key)
+        assert summary["steps"]["report"]["invocation"] == -1
+
+
 def test_weights_are_kept_only_when_asked_and_read_back(tmp_path):
     """--weights keeps each archived model's final checkpoint, which loads as the original."""
     import torch
