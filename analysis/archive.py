@@ -59,7 +59,8 @@ import pandas as pd
 from ced.run_id import identified, write_run_id
 from evals.erf import erf_shares
 from evals.modes import MODE_COLUMNS
-from evals.lm_eval_outcomes import LM_EVAL_OUTCOMES, read_outcomes, with_earlier_runs
+from evals.lm_eval_outcomes import (LM_EVAL_OUTCOMES, read_outcomes, with_earlier_runs,
+                                    write_outcomes)
 
 CELLS = "cells.csv"
 OUTCOMES = "outcomes.csv.gz"
@@ -166,7 +167,7 @@ def archive_real_text(study: Path, into: Path, weights: bool = False) -> list[st
     tables (`READING_FILES`: not tokens.parquet, hundreds of megabytes at the findings scale,
     nor the step's record, so a study put back reads the model again) and its run
     (`archive_run`); in real_text/ the merged tables of every model and lm-eval's documents
-    and tables (`archive_lm_eval`). Returns the labels of the models archived."""
+    (`archive_lm_eval`). Returns the labels of the models archived."""
     root, done = study / "real_text", []
     for run_id, folder in identified(root):
         if not (folder / "baselines.csv").exists():
@@ -178,7 +179,7 @@ def archive_real_text(study: Path, into: Path, weights: bool = False) -> list[st
                 shutil.copy(folder / name, target / name)
         archive_run(study, into, run_id, weights)
         done.append(run_id.label)
-    if (root / "baselines.csv").exists():        # the merged reading, and lm-eval's tables
+    if (root / "baselines.csv").exists():        # the merged reading, and lm-eval's documents
         (into / "real_text").mkdir(parents=True, exist_ok=True)
         for name in READING_FILES:
             if (root / name).exists():
@@ -190,7 +191,7 @@ def archive_real_text(study: Path, into: Path, weights: bool = False) -> list[st
 def archive_lm_eval(source: Path, target: Path) -> None:
     """lm-eval's documents of a real_text study (source: its real_text/, `LM_EVAL_OUTCOMES`)
     into the archive's real_text/, with every run the archive held that the study does not
-    (`evals.real_text.with_earlier_runs`: a study put back from its archive holds only the runs
+    (`evals.lm_eval_outcomes.with_earlier_runs`: a study put back from its archive holds only the runs
     read since). Not its tables: `python -m analysis.real_text --lm-eval DIR/real_text/lm_eval
     --earlier <archive>/real_text/lm_eval_outcomes.csv.gz --out DIR/real_text` writes them over
     the same runs. Nothing when the study has no lm-eval documents."""
@@ -200,8 +201,7 @@ def archive_lm_eval(source: Path, target: Path) -> None:
     rows = read_outcomes(fresh)
     if kept.exists():
         rows = with_earlier_runs(rows, read_outcomes(kept))
-    # gzip's header time fixed, so archiving the same study again writes the same bytes
-    rows.to_csv(kept, index=False, compression={"method": "gzip", "mtime": 0})
+    write_outcomes(rows, kept)
 
 
 def archive_erf(erf_dir: Path, into: Path) -> Path:
@@ -256,6 +256,7 @@ def _renumbered(summary: dict, position: dict) -> dict:
             record = {**record, "invocation": position[_invocation_key(own[index])]}
         steps[key] = record
     return steps
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.archive",

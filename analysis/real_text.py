@@ -19,7 +19,7 @@ import pandas as pd
 
 from ced.records import write_json
 from evals.lm_eval_outcomes import (LM_EVAL_OUTCOMES, LM_EVAL_RUN, lm_eval_runs, read_lm_eval,
-                                    read_outcomes, with_earlier_runs)
+                                    read_outcomes, with_earlier_runs, write_outcomes)
 
 from . import plots
 from .publish import markdown, provenance, provenance_markdown
@@ -46,9 +46,7 @@ def write_lm_eval_tables(results: pd.DataFrame, out: Path) -> dict[str, Path]:
     lm_eval_outcomes.csv.gz (`results`, one row per run and document: what `analysis.archive`
     keeps) in `out`. The tables do not depend on the rows' order."""
     out.mkdir(parents=True, exist_ok=True)
-    # gzip's header time fixed: the same runs write the same bytes
-    results.to_csv(out / LM_EVAL_OUTCOMES, index=False,
-                   compression={"method": "gzip", "mtime": 0})
+    write_outcomes(results, out / LM_EVAL_OUTCOMES)
     accuracy = accuracy_table(results)
     accuracy.to_csv(out / "lm_eval_accuracy.csv", index=False)
     drops = capability_drop_table(results)

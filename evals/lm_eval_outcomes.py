@@ -58,9 +58,15 @@ LM_EVAL_RUN = ["run", "family", "mode"]
 OUTCOME_TEXT = {name: str for name in ("job", "run", "mode", "family", "x", "id", "file")}
 
 
+def write_outcomes(rows: pd.DataFrame, path: Path) -> Path:
+    """lm-eval documents (rows of `read_lm_eval`) as an outcomes file at `path`; gzip's header
+    time is fixed, so the same rows write the same bytes (an archive written again is unchanged)."""
+    rows.to_csv(path, index=False, compression={"method": "gzip", "mtime": 0})
+    return path
+
+
 def read_outcomes(path: Path) -> pd.DataFrame:
-    """An lm_eval_outcomes.csv.gz (`analysis.real_text.write_lm_eval_tables`) as `read_lm_eval`
-    returns its rows."""
+    """An outcomes file (`write_outcomes`) as `read_lm_eval` returns its rows."""
     return pd.read_csv(path, dtype=OUTCOME_TEXT)
 
 

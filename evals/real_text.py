@@ -731,8 +731,6 @@ def _class_tables(table, forms: dict, replays: list[str], resamples: int):
     return pd.concat(parts, ignore_index=True)
 
 
-# ---- lm-eval over the code tasks ------------------------------------------------------------
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(RealTextConfig, prog="python -m evals.real_text",
                           description=__doc__.split("\n\n")[0])
