@@ -275,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --study {study}: not a study directory (no suite/, no summary.json)",
               file=sys.stderr)
         return 2
+    if args.erf and not (Path(args.erf) / "erf.csv").exists():
+        print(f"error: --erf {args.erf}: not an evals.erf output directory (no erf.csv); the "
+              f"study's own erf/<job>/seed<k>/ outputs are archived without --erf",
+              file=sys.stderr)
+        return 2
     labels = archive(study, Path(args.into), weights=args.weights)
     if args.erf:
         archive_erf(Path(args.erf), Path(args.into))

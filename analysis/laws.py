@@ -22,8 +22,11 @@ model-level CI of each score (and of each law's score minus the best law's) resa
 within every cell (a bootstrap over models, so a cell of few models carries its uncertainty).
 
 Least squares over models: a = sum(W N*) / sum(W^2), b = sum(R N*) / sum(R^2),
-c = mean(N* - W) (or mean(N* - d_max)). A model without an N* (no competent bin) is left out
-and counted. With fewer than two cells with an N*, nothing can be held out: refused.
+c = mean(N* - W) (or mean(N* - d_max)). A model without an N* beyond the replay is left out
+and counted: one with no competent bin, and (where the table has largest_competent_d) one
+competent only inside the replay (largest competent d <= W), whose N* is censored at or below W
+by what it can do, not set by how far its evidence travels. With fewer than two cells left,
+nothing can be held out: refused.
 
 What each law implies for an engine: its N* at a target geometry (`--target`, default V4.1's
 conf/model/deepseek_v41_flash.yaml: W = 128, R_exact = 2541), the constant fitted on every
@@ -121,17 +124,20 @@ class Target:
 
 
 def usable(models: pd.DataFrame) -> tuple[pd.DataFrame, list[Law]]:
-    """The models with an N* and the laws the table can fit (`reach` needs the largest
-    competent d); raises ValueError naming a missing column or too few cells."""
+    """The models with an N* beyond the replay (see the module doc) and the laws the table can
+    fit (`reach` needs the largest competent d); raises ValueError naming a missing column or
+    too few cells."""
     missing = [c for c in REQUIRED if c not in models]
     if missing:
         raise ValueError(f"--models: no column(s) {missing} (analysis.reach's models.csv has "
                          f"{list(REQUIRED)})")
     laws = [law for law in LAWS if law.covariate in models]
     kept = models.dropna(subset=["N_star", *[law.covariate for law in laws]])
+    if "largest_competent_d" in kept:
+        kept = kept[kept["largest_competent_d"] > kept["W"]]
     if kept["job"].nunique() < 2:
-        raise ValueError(f"--models: {kept['job'].nunique()} cell(s) with an N*; leaving one "
-                         "cell out needs at least two")
+        raise ValueError(f"--models: {kept['job'].nunique()} cell(s) with an N* beyond the "
+                         "replay; leaving one cell out needs at least two")
     return kept.reset_index(drop=True), laws
 
 
@@ -321,14 +327,14 @@ def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.0
     table.to_csv(written["laws"], index=False, float_format="%.6g")
     errors.to_csv(written["held_out"], index=False, float_format="%.6g")
     figure(usable(models)[0], errors).savefig(written["figure"], dpi=110)
-    dropped = int(models["N_star"].isna().sum())
+    dropped = len(models) - len(usable(models)[0])
     written["markdown"].write_text(
         f"# Which law sets N*\n\nFrom {models_csv}"
         f"{' (jobs ' + ', '.join(jobs) + ')' if jobs else ''}"
         + "".join(f"; {cell} pools {', '.join(m)}" for cell, m in (pools or {}).items())
         + f" ({len(models)} models, "
         f"{dropped} without an "
-        f"N*). Each cell held out in turn; RMSE of the held-out cell means, model-level "
+        f"N* beyond the replay: no competent bin, or none past W). Each cell held out in turn; RMSE of the held-out cell means, model-level "
         f"{100 * (1 - alpha):.0f}% CIs from {resamples} draws of models within cells. "
         f"target_N_star: the law fitted on every cell, at {table['target'].iloc[0]} (W = "
         f"{table['target_W'].iloc[0]}, R_exact = {table['target_R_exact'].iloc[0]}); its CI is "

@@ -195,3 +195,17 @@ def test_archiving_again_writes_the_same_bytes_and_each_models_identity(tmp_path
     assert {p: p.read_bytes() for p in first} == first
     assert read_run_id(into / "suite" / "L8" / "seed3") == RunId("L8", 3)
     assert (into / "runs" / "L8" / "seed3" / "run.json").exists()
+
+
+def test_an_erf_argument_without_erf_csv_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--erf must name an evals.erf output (its erf.csv); the driver's per-model erf/ layout
+    passed there is refused with an error naming --erf, and the archive is left untouched."""
+    from analysis.archive import main
+    study, into = tmp_path / "s", tmp_path / "archive"
+    write_study(study, [("L2", 0)])
+    (study / "erf" / "L2" / "seed0").mkdir(parents=True)
+    assert main(["--study", str(study), "--into", str(into), "--erf", str(study / "erf")]) == 2
+    assert "--erf" in capsys.readouterr().err
+    assert not into.exists()
+    assert main(["--study", str(study), "--into", str(into)]) == 0
+    assert (into / "suite" / "L2" / "seed0").is_dir()

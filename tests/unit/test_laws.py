@@ -85,6 +85,28 @@ def test_models_without_n_star_are_left_out_and_one_cell_is_refused():
                            laws.usable(models.drop(columns="largest_competent_d"))[1]]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_model_competent_only_inside_the_replay_is_left_out(seed, tmp_path):
+    """A model whose competent bins all lie within W has an N* censored at or below W by its
+    competence: it enters no law, so a cell of such models changes nothing, and it is counted."""
+    models = fabricated(lambda w, r: 0.5 * r, seed=seed)
+    inside = pd.DataFrame([{"job": "W8_L20_short", "seed": s, "W": 8, "R_exact": 141,
+                            "N_star": 4.0, "largest_competent_d": d}
+                           for s, d in enumerate((4, 8, 4))])
+    with_inside = pd.concat([models, inside], ignore_index=True)
+    assert laws.usable(with_inside)[0].equals(laws.usable(models)[0])
+    a, _ = laws.compare(models, resamples=50, seed=seed)
+    b, _ = laws.compare(with_inside, resamples=50, seed=seed)
+    pd.testing.assert_frame_equal(a, b)
+    # one model competent one bin past W does enter
+    past = inside.assign(largest_competent_d=[4, 9, 4])
+    assert len(laws.usable(pd.concat([models, past], ignore_index=True))[0]) == len(models) + 1
+    source = tmp_path / "models.csv"
+    with_inside.to_csv(source, index=False)
+    assert laws.main(["--models", str(source), "--out", str(tmp_path), "--resamples", "20"]) == 0
+    assert "3 without an N* beyond the replay" in (tmp_path / "laws.md").read_text()
+
+
 def test_the_command_writes_its_tables(tmp_path):
     source = tmp_path / "models.csv"
     fabricated(lambda w, r: 0.5 * r).to_csv(source, index=False)
