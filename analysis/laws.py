@@ -334,7 +334,8 @@ def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.0
         + "".join(f"; {cell} pools {', '.join(m)}" for cell, m in (pools or {}).items())
         + f" ({len(models)} models, "
         f"{dropped} without an "
-        f"N* beyond the replay: no competent bin, or none past W). Each cell held out in turn; RMSE of the held-out cell means, model-level "
+        f"N* beyond the replay: no competent bin, or none past W). Each cell held out in "
+        f"turn; RMSE of the held-out cell means, model-level "
         f"{100 * (1 - alpha):.0f}% CIs from {resamples} draws of models within cells. "
         f"target_N_star: the law fitted on every cell, at {table['target'].iloc[0]} (W = "
         f"{table['target_W'].iloc[0]}, R_exact = {table['target_R_exact'].iloc[0]}); its CI is "
