@@ -326,8 +326,9 @@ def write(models_csv: Path, out: Path, resamples: int = 2000, alpha: float = 0.0
                "figure": out / "laws.png", "markdown": out / "laws.md"}
     table.to_csv(written["laws"], index=False, float_format="%.6g")
     errors.to_csv(written["held_out"], index=False, float_format="%.6g")
-    figure(usable(models)[0], errors).savefig(written["figure"], dpi=110)
-    dropped = len(models) - len(usable(models)[0])
+    fitted = usable(models)[0]
+    figure(fitted, errors).savefig(written["figure"], dpi=110)
+    dropped = len(models) - len(fitted)
     written["markdown"].write_text(
         f"# Which law sets N*\n\nFrom {models_csv}"
         f"{' (jobs ' + ', '.join(jobs) + ')' if jobs else ''}"

@@ -9,7 +9,7 @@ import random
 import pandas as pd
 import pytest
 
-from analysis.archive import OUTCOMES, archive, cells_of, expand_cells
+from analysis.archive import OUTCOMES, archive, cells_of, expand_cells, main
 from analysis.tables import capability_drop_table, load_results
 from analysis.per_model import model_drops
 
@@ -200,7 +200,6 @@ def test_archiving_again_writes_the_same_bytes_and_each_models_identity(tmp_path
 def test_an_erf_argument_without_erf_csv_is_refused_before_anything_is_written(tmp_path, capsys):
     """--erf must name an evals.erf output (its erf.csv); the driver's per-model erf/ layout
     passed there is refused with an error naming --erf, and the archive is left untouched."""
-    from analysis.archive import main
     study, into = tmp_path / "s", tmp_path / "archive"
     write_study(study, [("L2", 0)])
     (study / "erf" / "L2" / "seed0").mkdir(parents=True)
